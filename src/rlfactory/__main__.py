@@ -1,0 +1,5 @@
+import sys
+
+from rlfactory.cli import main
+
+sys.exit(main())

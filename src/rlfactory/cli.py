@@ -1,0 +1,138 @@
+"""Command line: ``rlfactory train run.yaml [key.sub=value ...]`` and friends.
+
+Heavy packages (torch, transformers, gradio) are imported inside the commands that need them,
+so ``rlfactory --help`` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from rlfactory import __version__
+from rlfactory.errors import UserError
+
+EPILOG = """examples:
+  rlfactory train examples/quickstart/sft.yaml
+  rlfactory train examples/quickstart/sft.yaml train.learning_rate=3e-4 output_dir=outputs/try2
+  rlfactory config check examples/sft/qwen2.5_0.5b_lora.yaml
+  accelerate launch --num_processes 4 -m rlfactory train run.yaml      (several GPUs)
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlfactory",
+        description="Declarative LLM post-training: sft, rm, dpo, kto, orpo, ppo, grpo from one YAML file.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    train = sub.add_parser("train", help="run a stage or pipeline YAML")
+    train.add_argument("config", help="run or pipeline YAML (see examples/)")
+    train.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.learning_rate=1e-4")
+    config = sub.add_parser("config", help="check a YAML, print the JSON schema or the reference docs")
+    config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    check = config_sub.add_parser("check", help="validate a YAML (schema, datasets, model path) without training")
+    check.add_argument("config")
+    check.add_argument("overrides", nargs="*")
+    config_sub.add_parser("schema", help="print the JSON schema of a run config")
+    config_sub.add_parser("docs", help="print the config reference (Markdown)")
+    sub.add_parser("env", help="print versions of the stack and GPU info")
+    sub.add_parser("version", help="print the rlfactory version")
+    return parser
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for noisy in ("transformers", "accelerate", "datasets", "httpx", "matplotlib"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from rlfactory.config.loader import load_config
+    from rlfactory.stages.pipeline import run_config
+
+    config = load_config(args.config, args.overrides)
+    run_config(config)
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from rlfactory.config import docs
+    from rlfactory.config.schema import RunConfig
+
+    if args.config_command == "schema":
+        print(json.dumps(RunConfig.model_json_schema(), indent=2))
+    elif args.config_command == "docs":
+        print(docs.markdown_reference())
+    else:
+        from rlfactory.config.check import check_config
+        from rlfactory.config.loader import load_config
+
+        config = load_config(args.config, args.overrides)
+        for line in check_config(config):
+            print(line)
+        print(f"{args.config}: OK")
+    return 0
+
+
+def cmd_env(_: argparse.Namespace) -> int:
+    from importlib import metadata
+
+    print(f"rlfactory {__version__}")
+    print(f"python {sys.version.split()[0]}")
+    for package in (
+        "torch",
+        "transformers",
+        "peft",
+        "trl",
+        "accelerate",
+        "datasets",
+        "deepspeed",
+        "vllm",
+        "gradio",
+        "pydantic",
+    ):
+        try:
+            print(f"{package} {metadata.version(package)}")
+        except metadata.PackageNotFoundError:
+            print(f"{package} not installed")
+    import torch
+
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            print(f"cuda:{i} {props.name} {props.total_memory / 2**30:.0f} GiB (CUDA {torch.version.cuda})")
+    else:
+        print("cuda: not available (CPU only)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    if args.command == "version":
+        print(__version__)
+        return 0
+    _setup_logging()
+    handlers = {"train": cmd_train, "config": cmd_config, "env": cmd_env}
+    try:
+        return handlers[args.command](args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

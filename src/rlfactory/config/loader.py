@@ -1,0 +1,173 @@
+"""YAML + ``key.sub=value`` overrides -> a validated RunConfig or PipelineConfig.
+
+Every failure becomes one UserError that names the file and the YAML path and says what to do.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from rlfactory.config.schema import PipelineConfig, RunConfig
+from rlfactory.errors import UserError, did_you_mean
+
+
+def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a YAML mapping, with clear errors for a missing file or bad syntax."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"config file '{path}' does not exist; pass the path of a run YAML (see examples/)")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise UserError(f"{path}: YAML syntax error{where}: {problem}") from None
+    if data is None:
+        raise UserError(f"{path}: the file is empty; it needs at least `stage`, `model` and `data`")
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: the top level must be a mapping of keys (stage: ..., model: ...)")
+    return data
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str], source: str = "command line") -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides (value parsed as YAML) to a nested dict, returning a copy.
+
+    In a pipeline, ``<stage name>.key=value`` or ``stages.<i>.key=value`` address one stage.
+    """
+    raw = copy.deepcopy(raw)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"{source}: override '{item}' must look like key.sub=value")
+        value = yaml.safe_load(text) if text else ""
+        parts = key.split(".")
+        if "stages" in raw and parts[0] != "stages" and parts[0] not in PipelineConfig.model_fields:
+            index = _stage_index(raw["stages"], parts[0])
+            parts = ["stages", str(index), *parts[1:]] if index is not None else ["defaults", *parts]
+        node: Any = raw
+        for depth, part in enumerate(parts[:-1]):
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) >= len(node):
+                    raise UserError(f"{source}: override '{key}': '{part}' is not a valid index")
+                node = node[int(part)]
+                continue
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict | list):
+                where = ".".join(parts[: depth + 1])
+                raise UserError(f"{source}: override '{key}': '{where}' is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return raw
+
+
+def _stage_index(stages: Any, name: str) -> int | None:
+    if not isinstance(stages, list):
+        return None
+    for index, stage in enumerate(stages):
+        if isinstance(stage, dict) and (stage.get("name") or stage.get("stage")) == name:
+            return index
+    return None
+
+
+def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """Recursively merge ``top`` over ``base`` (values in ``top`` win)."""
+    out = copy.deepcopy(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _expand_pipeline(raw: dict[str, Any]) -> dict[str, Any]:
+    """Merge `defaults` into each stage and give each stage its own output_dir."""
+    defaults = raw.get("defaults") or {}
+    root = raw.get("output_dir", PipelineConfig.model_fields["output_dir"].default)
+    stages = raw.get("stages")
+    if not isinstance(stages, list):
+        return raw
+    expanded = []
+    for stage in stages:
+        if not isinstance(stage, dict):
+            expanded.append(stage)
+            continue
+        merged = deep_merge(defaults, stage)
+        merged.setdefault("output_dir", str(Path(root) / str(merged.get("name") or merged.get("stage"))))
+        expanded.append(merged)
+    return {**raw, "stages": expanded}
+
+
+def format_validation_error(exc: ValidationError, source: str, model: type[BaseModel]) -> str:
+    """Turn pydantic's errors into lines that name the YAML path and the fix."""
+    lines = []
+    for err in exc.errors():
+        loc = [str(part) for part in err["loc"]]
+        path = ".".join(loc) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            valid = _valid_keys(model, loc[:-1])
+            hint = did_you_mean(loc[-1], valid)
+            lines.append(f"unknown key '{path}'{hint}; valid keys here: {', '.join(valid)}")
+        elif err["type"] == "missing":
+            lines.append(f"missing required key '{path}'")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            got = "" if err["type"].startswith("value_error") else f" (got {err.get('input')!r})"
+            lines.append(f"{path}: {msg}{got}" if loc else msg)
+    head = f"{source}: invalid config" + (":" if len(lines) > 1 else ": ")
+    return head + ("\n  - " + "\n  - ".join(lines) if len(lines) > 1 else lines[0])
+
+
+def _valid_keys(model: type[BaseModel], loc: list[str]) -> list[str]:
+    """Keys accepted at ``loc`` inside ``model`` (follows nested sections and list indices)."""
+    current: Any = model
+    for part in loc:
+        if part.isdigit():
+            continue
+        field = current.model_fields.get(part) if isinstance(current, type) else None
+        if field is None:
+            return []
+        current = _section_class(field.annotation)
+    return sorted(current.model_fields) if isinstance(current, type) and issubclass(current, BaseModel) else []
+
+
+def _section_class(annotation: Any) -> Any:
+    """The BaseModel class inside ``X``, ``X | None`` or ``list[X]``."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _section_class(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def validate_config(raw: dict[str, Any], source: str) -> RunConfig | PipelineConfig:
+    """Validate a raw mapping as a single run, or a pipeline when it has `stages:`."""
+    model: type[BaseModel] = PipelineConfig if "stages" in raw else RunConfig
+    if model is PipelineConfig:
+        raw = _expand_pipeline(raw)
+    try:
+        return model.model_validate(raw)  # type: ignore[return-value]
+    except ValidationError as exc:
+        raise UserError(format_validation_error(exc, source, model)) from None
+
+
+def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None) -> RunConfig | PipelineConfig:
+    """Read, override and validate a run or pipeline YAML."""
+    raw = apply_overrides(read_yaml(path), overrides or [])
+    return validate_config(raw, str(path))
+
+
+def dump_config(config: BaseModel) -> str:
+    """The resolved config as YAML (what is saved as ``config.yaml`` in the output dir)."""
+    return yaml.safe_dump(config.model_dump(mode="json", exclude_none=True), sort_keys=False)

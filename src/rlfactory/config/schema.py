@@ -1,0 +1,331 @@
+"""The one typed schema: every YAML key of every stage is declared (and documented) here.
+
+It is the single source of truth for YAML parsing, ``key.sub=value`` CLI overrides, the JSON
+schema behind the WebUI forms and the reference docs (``rlfactory config docs``). Each section
+is one class; stage-specific sections are accepted only for their stage.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Stage = Literal["sft", "rm", "dpo", "kto", "orpo", "ppo", "grpo"]
+STAGES: tuple[str, ...] = ("sft", "rm", "dpo", "kto", "orpo", "ppo", "grpo")
+
+
+class Section(BaseModel):
+    """Base of every section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _as_list(value: Any) -> Any:
+    """Accept a single string where a list of strings is expected (``dataset: name``)."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else value
+
+
+# --------------------------------------------------------------------------- shared sections
+class ModelConfig(Section):
+    name_or_path: str | None = Field(
+        None,
+        description="Base model: a local directory or a Hugging Face hub id (must be in the local cache "
+        "when offline). Required unless `from_stage` is set.",
+    )
+    from_stage: str | None = Field(
+        None,
+        description="Pipelines only: start from the output of the earlier stage with this name "
+        "(its merged adapter or full weights).",
+    )
+    adapter_paths: list[str] = Field(
+        default_factory=list,
+        description="LoRA adapters to load and merge into the base model before training.",
+    )
+    template: str | None = Field(
+        None,
+        description="Named chat template to use instead of the tokenizer's own (needed when the tokenizer "
+        "has none). Choices: see `rlfactory.render.templates`.",
+    )
+    finetuning: Literal["lora", "full", "freeze"] = Field(
+        "lora", description="What is trained: LoRA adapters, all weights, or only the last layers (freeze)."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weight dtype. auto: bfloat16 on a GPU that supports it, else float32."
+    )
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = Field(
+        "sdpa", description="Attention kernel passed to transformers."
+    )
+    gradient_checkpointing: bool = Field(False, description="Trade compute for memory (recompute activations).")
+    trust_remote_code: bool = Field(False, description="Allow custom model code shipped with the checkpoint.")
+
+    _as_list_adapters = field_validator("adapter_paths", mode="before")(_as_list)
+
+
+class LoraConfig(Section):
+    r: int = Field(8, ge=1, description="LoRA rank.")
+    alpha: int = Field(16, ge=1, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA branch.")
+    target_modules: str | list[str] = Field(
+        "all-linear", description="Modules that get adapters: `all-linear` or a list such as [q_proj, v_proj]."
+    )
+    modules_to_save: list[str] = Field(
+        default_factory=list, description="Extra modules trained in full and saved with the adapter."
+    )
+
+
+class FreezeConfig(Section):
+    trainable_layers: int = Field(
+        2, ge=1, description="Freeze fine-tuning: how many of the last decoder layers are trained."
+    )
+    extra_modules: list[str] = Field(
+        default_factory=list, description="Name substrings of other modules to train too (e.g. [lm_head])."
+    )
+
+
+class DataConfig(Section):
+    dataset: list[str] = Field(
+        default_factory=list, description="Training dataset name(s) from the registry (dataset_info.yaml)."
+    )
+    eval_dataset: list[str] = Field(default_factory=list, description="Evaluation dataset name(s).")
+    eval_split: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Fraction of the training data held out for eval when no eval_dataset."
+    )
+    dataset_dir: str | None = Field(
+        None, description="Folder holding dataset_info.yaml (default: ./data, else the bundled data/)."
+    )
+    cutoff_len: int = Field(1024, ge=8, description="Maximum tokens per example (prompt + response).")
+    truncation: Literal["right", "drop"] = Field(
+        "right", description="Examples longer than cutoff_len: cut at the right end, or drop them."
+    )
+    train_on: Literal["assistant", "last_assistant", "all"] = Field(
+        "assistant",
+        description="Which tokens carry loss in SFT: every assistant turn, only the last one, or all tokens.",
+    )
+    packing: bool = Field(
+        False,
+        description="Padding-free batches: concatenate a micro-batch into one row with per-document "
+        "position ids, so documents never attend to each other and no pad tokens are computed.",
+    )
+    max_samples: int | None = Field(None, ge=1, description="Use at most this many rows per dataset.")
+    max_bad_rows: int = Field(
+        0, ge=0, description="How many malformed rows may be skipped (with a warning) before it is an error."
+    )
+    shuffle: bool = Field(True, description="Shuffle the training data every epoch (seeded).")
+
+    _as_list_ds = field_validator("dataset", "eval_dataset", mode="before")(_as_list)
+
+
+class TrainConfig(Section):
+    num_epochs: float = Field(1.0, gt=0, description="Passes over the training data (ignored if max_steps).")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
+    per_device_batch_size: int = Field(4, ge=1, description="Micro-batch size per device (memory-bound).")
+    grad_accum_steps: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
+    learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate.")
+    lr_scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup", "cosine_with_min_lr"] = Field(
+        "cosine", description="Learning-rate schedule (transformers' get_scheduler)."
+    )
+    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0, description="Warmup as a fraction of total steps.")
+    warmup_steps: int = Field(0, ge=0, description="Warmup steps (overrides warmup_ratio when > 0).")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay (not applied to biases/norms).")
+    adam_beta1: float = Field(0.9, gt=0, lt=1, description="AdamW beta1.")
+    adam_beta2: float = Field(0.999, gt=0, lt=1, description="AdamW beta2.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the gradient norm (null: no clipping).")
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
+        "auto", description="Autocast precision. auto: bf16 on a GPU that supports it, else none."
+    )
+    eval_steps: int | None = Field(None, ge=1, description="Evaluate every N steps (and always at the end).")
+    save_steps: int | None = Field(None, ge=1, description="Save a resumable checkpoint every N steps.")
+    save_total_limit: int | None = Field(2, ge=1, description="Keep only the last K checkpoints.")
+    deepspeed: str | None = Field(None, description="Path to a DeepSpeed JSON config (used via Accelerate).")
+
+
+class LoggingConfig(Section):
+    logging_steps: int = Field(1, ge=1, description="Write a trainer_log.jsonl line every N steps.")
+    report_to: list[Literal["none", "tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=lambda: ["none"], description="Experiment trackers (through Accelerate)."
+    )
+    plot_loss: bool = Field(True, description="Save loss.png in the output dir at the end.")
+    progress_bar: bool = Field(True, description="Show a progress bar.")
+
+    _as_list_report = field_validator("report_to", mode="before")(_as_list)
+
+
+class EvaluationConfig(Section):
+    """Generation-based evaluation (accuracy on a prompt+answer set) before and after training."""
+
+    dataset: str | None = Field(None, description="Prompt+answer dataset to score (null: skip).")
+    metric: str = Field("answer_match", description="Reward function used as the score (1.0 = correct).")
+    max_samples: int = Field(100, ge=1, description="Score at most this many prompts.")
+    max_new_tokens: int = Field(64, ge=1, description="Generation budget per prompt.")
+    batch_size: int = Field(32, ge=1, description="Prompts generated at once.")
+    before_training: bool = Field(True, description="Also score the model before training, to show the gain.")
+
+
+# --------------------------------------------------------------------------- stage sections
+class RMConfig(Section):
+    margin_column: bool = Field(False, description="Use a per-pair `margin` column in the Bradley-Terry loss.")
+    center_rewards_coefficient: float | None = Field(
+        None, ge=0, description="Weight of the (r_chosen + r_rejected)^2 centering regulariser."
+    )
+
+
+class DPOConfig(Section):
+    loss_type: str = Field("sigmoid", description="Preference loss: sigmoid, ipo, hinge, robust, simpo.")
+    beta: float = Field(0.1, gt=0, description="Inverse temperature of the implicit reward.")
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="cDPO / robust DPO label noise.")
+    simpo_gamma: float = Field(0.5, ge=0.0, description="SimPO target reward margin.")
+    sft_weight: float = Field(0.0, ge=0.0, description="RPO: weight of the NLL loss on chosen responses.")
+    precompute_ref_logps: bool = Field(
+        False, description="Compute reference log-probs once before training (frees the reference model)."
+    )
+    ref_model: str | None = Field(
+        None, description="Separate reference model path (default: adapter disabled, or a frozen copy)."
+    )
+
+
+class KTOConfig(Section):
+    beta: float = Field(0.1, gt=0, description="KTO beta.")
+    desirable_weight: float = Field(1.0, gt=0, description="Weight of desirable examples.")
+    undesirable_weight: float = Field(1.0, gt=0, description="Weight of undesirable examples.")
+
+
+class ORPOConfig(Section):
+    beta: float = Field(0.1, gt=0, description="Weight (lambda) of the odds-ratio term added to the NLL.")
+
+
+class RolloutConfig(Section):
+    backend: Literal["hf", "vllm"] = Field("hf", description="Generation backend.")
+    num_samples: int = Field(4, ge=1, description="Samples per prompt (the group size for grpo).")
+    prompts_per_step: int = Field(8, ge=1, description="Prompts per RL step.")
+    max_prompt_len: int = Field(256, ge=1, description="Prompt tokens (longer prompts are dropped).")
+    max_response_len: int = Field(128, ge=1, description="Generated tokens per sample.")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (0: off).")
+
+
+class RewardConfig(Section):
+    functions: dict[str, float] = Field(
+        default_factory=dict, description="Reward functions (registry names or file.py:function) -> weight."
+    )
+    reward_model: str | None = Field(None, description="Directory of a reward model trained by stage rm.")
+    reward_model_weight: float = Field(1.0, description="Weight of the reward model's score.")
+
+
+class AlgorithmConfig(Section):
+    adv_estimator: str = Field("grpo", description="Advantage estimator (gae, grpo, rloo, ...).")
+    policy_loss: str = Field("ppo_clip", description="Policy loss (ppo_clip, gspo, cispo).")
+    loss_agg: str = Field("token-mean", description="Loss aggregation mode.")
+    kl_estimator: str = Field("k3", description="KL estimator (k1, k2, k3).")
+    kl_loss_coef: float = Field(0.0, ge=0.0, description="KL term in the loss (0: off).")
+    kl_in_reward_coef: float = Field(0.0, ge=0.0, description="KL penalty in the reward (0: off).")
+
+
+STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
+    "sft": (),
+    "rm": ("rm",),
+    "dpo": ("dpo",),
+    "kto": ("kto",),
+    "orpo": ("orpo",),
+    "ppo": ("rollout", "reward", "algorithm"),
+    "grpo": ("rollout", "reward", "algorithm"),
+}
+SECTION_CLASSES: dict[str, type[Section]] = {
+    "rm": RMConfig,
+    "dpo": DPOConfig,
+    "kto": KTOConfig,
+    "orpo": ORPOConfig,
+    "rollout": RolloutConfig,
+    "reward": RewardConfig,
+    "algorithm": AlgorithmConfig,
+}
+
+
+class RunConfig(Section):
+    """One training run: the stage plus its sections."""
+
+    stage: Stage = Field(..., description="Which stage to run: sft, rm, dpo, kto, orpo, ppo or grpo.")
+    name: str | None = Field(None, description="Run name (pipelines: how later stages refer to this one).")
+    output_dir: str = Field("outputs/run", description="Where checkpoints, logs and the final model go.")
+    overwrite_output_dir: bool = Field(False, description="Delete an existing run in output_dir first.")
+    resume_from_checkpoint: str | None = Field(
+        None, description="`auto` (latest checkpoint in output_dir, if any) or a checkpoint directory."
+    )
+    seed: int = Field(42, description="Seed for data order, initialisation and sampling.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    freeze: FreezeConfig = Field(default_factory=FreezeConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    rm: RMConfig | None = Field(None, description="Stage rm only.")
+    dpo: DPOConfig | None = Field(None, description="Stage dpo only.")
+    kto: KTOConfig | None = Field(None, description="Stage kto only.")
+    orpo: ORPOConfig | None = Field(None, description="Stage orpo only.")
+    rollout: RolloutConfig | None = Field(None, description="Stages ppo and grpo only.")
+    reward: RewardConfig | None = Field(None, description="Stages ppo and grpo only.")
+    algorithm: AlgorithmConfig | None = Field(None, description="Stages ppo and grpo only.")
+
+    @model_validator(mode="after")
+    def _stage_sections(self) -> RunConfig:
+        """Fill the stage's own sections with defaults; refuse sections of other stages."""
+        own = STAGE_SECTIONS[self.stage]
+        for section, cls in SECTION_CLASSES.items():
+            value = getattr(self, section)
+            if section in own and value is None:
+                object.__setattr__(self, section, cls())
+            elif section not in own and value is not None:
+                users = [s for s, secs in STAGE_SECTIONS.items() if section in secs]
+                raise ValueError(
+                    f"section '{section}' applies to stage {' / '.join(users)}, not to stage "
+                    f"'{self.stage}'; remove it or change `stage`"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> RunConfig:
+        """Rules that span sections, checked before any model loads."""
+        if self.model.name_or_path is None and self.model.from_stage is None:
+            raise ValueError("model.name_or_path is required (a local model directory or a hub id)")
+        if not self.data.dataset:
+            raise ValueError("data.dataset is required: name at least one dataset from dataset_info.yaml")
+        if self.stage in ("ppo", "grpo"):
+            assert self.reward is not None and self.rollout is not None
+            if not self.reward.functions and not self.reward.reward_model:
+                raise ValueError(
+                    f"stage {self.stage} needs a reward source: set reward.functions or reward.reward_model"
+                )
+            if self.stage == "grpo" and self.rollout.num_samples < 2:
+                raise ValueError("grpo compares samples of the same prompt: rollout.num_samples must be >= 2")
+        if self.dpo is not None and self.dpo.ref_model and self.dpo.loss_type in ("simpo",):
+            raise ValueError(f"dpo.loss_type '{self.dpo.loss_type}' is reference-free: remove dpo.ref_model")
+        return self
+
+
+class PipelineConfig(Section):
+    """Several runs in order; later stages may start from earlier ones (`model.from_stage`)."""
+
+    output_dir: str = Field("outputs/pipeline", description="Each stage writes to <output_dir>/<name>.")
+    defaults: dict[str, Any] = Field(
+        default_factory=dict, description="Keys merged into every stage (a stage's own keys win)."
+    )
+    stages: list[RunConfig] = Field(..., min_length=1, description="The runs, in order.")
+
+    @model_validator(mode="after")
+    def _names(self) -> PipelineConfig:
+        seen: list[str] = []
+        for index, run in enumerate(self.stages):
+            name = run.name or run.stage
+            if name in seen:
+                raise ValueError(f"stages.{index}: two stages are named '{name}'; give each a unique `name`")
+            if run.model.from_stage is not None and run.model.from_stage not in seen:
+                raise ValueError(
+                    f"stages.{index}.model.from_stage: '{run.model.from_stage}' is not an earlier stage "
+                    f"(earlier: {', '.join(seen) or 'none'})"
+                )
+            seen.append(name)
+        return self

@@ -1,0 +1,342 @@
+"""The one training loop (Accelerate) shared by every offline stage.
+
+A stage hands over :class:`StageParts` — examples, a collate function and a loss — and this
+loop owns the rest: optimizer, LR schedule, mixed precision, gradient accumulation, clipping,
+DeepSpeed (through Accelerate), evaluation, checkpoint/resume, trainer_log.jsonl and trackers.
+
+Loss normalisation: ``loss_fn`` returns a *sum* (e.g. summed token NLL) and ``count_fn`` the
+number of units in a batch (e.g. trained tokens). Each optimizer step divides by the units of
+the whole accumulation window across all processes, so batch 1 x accumulation 8 gives the same
+gradient as batch 8 x accumulation 1.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlfactory.config.schema import RunConfig
+from rlfactory.engine import run_dir
+from rlfactory.errors import UserError
+
+log = logging.getLogger(__name__)
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass
+class StageParts:
+    """What a stage supplies to the loop."""
+
+    train_examples: list[dict[str, Any]]
+    collate: Callable[[list[dict[str, Any]]], Batch]
+    loss_fn: Callable[[Any, Batch], tuple[torch.Tensor, dict[str, float]]]  # (loss sum, metrics)
+    count_fn: Callable[[Batch], float]  # loss units in a batch (tokens, pairs, ...)
+    eval_examples: list[dict[str, Any]] | None = None
+    extra_state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainResult:
+    global_step: int
+    model: Any  # the trained model, unwrapped (for evaluation after training)
+    final_dir: Path
+    saved_as: str
+    last_metrics: dict[str, float]
+    eval_metrics: dict[str, float]
+
+
+def _mixed_precision(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+
+
+def build_accelerator(cfg: RunConfig) -> Any:
+    from accelerate import Accelerator, DeepSpeedPlugin
+    from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
+
+    trackers = [t for t in cfg.logging.report_to if t != "none"]
+    plugin = None
+    if cfg.train.deepspeed:
+        if not Path(cfg.train.deepspeed).is_file():
+            raise UserError(f"train.deepspeed: file '{cfg.train.deepspeed}' does not exist")
+        plugin = DeepSpeedPlugin(
+            hf_ds_config=cfg.train.deepspeed, gradient_accumulation_steps=cfg.train.grad_accum_steps
+        )
+    return Accelerator(
+        mixed_precision=_mixed_precision(cfg.train.mixed_precision),
+        # windows never span epochs (see _steps_per_epoch), so Accelerate's counter stays aligned
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=cfg.train.grad_accum_steps, sync_with_dataloader=False
+        ),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        deepspeed_plugin=plugin,
+        log_with=trackers or None,
+        project_dir=cfg.output_dir,
+        cpu=not torch.cuda.is_available(),
+    )
+
+
+def _optimizer(model: Any, cfg: RunConfig) -> torch.optim.Optimizer:
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
+    if not decay and not no_decay:
+        raise UserError("no trainable parameters: check model.finetuning and the lora/freeze sections")
+    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    betas = (cfg.train.adam_beta1, cfg.train.adam_beta2)
+    return torch.optim.AdamW(groups, lr=cfg.train.learning_rate, betas=betas)
+
+
+def _keep_trainable_weights(models: list[Any], weights: list[dict], _output_dir: str) -> None:
+    """Checkpoint only trainable tensors (a LoRA checkpoint then holds the adapter, not the base model)."""
+    for model, state in zip(models, weights, strict=False):
+        names = {name for name, param in model.named_parameters() if param.requires_grad}
+        for key in [k for k in state if k not in names]:
+            del state[key]
+
+
+def _batch_tokens(batch: Batch) -> int:
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if mask is not None else int(batch["input_ids"].numel())
+
+
+class _Meter:
+    """Averages metrics between two log lines."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, int] = defaultdict(int)
+
+    def add(self, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            if value is not None and not (isinstance(value, float) and math.isnan(value)):
+                self.sums[key] += float(value)
+                self.counts[key] += 1
+
+    def pop(self) -> dict[str, float]:
+        out = {k: self.sums[k] / self.counts[k] for k in self.sums}
+        self.sums.clear()
+        self.counts.clear()
+        return out
+
+
+def evaluate(accelerator: Any, model: Any, loader: Any, parts: StageParts) -> dict[str, float]:
+    """Eval loss = summed loss / summed units over the whole eval set, plus averaged stage metrics."""
+    model.eval()
+    total_loss = torch.zeros((), device=accelerator.device)
+    total_count = torch.zeros((), device=accelerator.device)
+    meter = _Meter()
+    with torch.no_grad():
+        for batch in loader:
+            loss_sum, metrics = parts.loss_fn(model, batch)
+            total_loss += loss_sum.detach().float()
+            total_count += parts.count_fn(batch)
+            meter.add(metrics)
+    total_loss = accelerator.reduce(total_loss, "sum")
+    total_count = accelerator.reduce(total_count, "sum")
+    model.train()
+    out = {f"eval_{k}": v for k, v in meter.pop().items()}
+    out["eval_loss"] = float(total_loss / total_count.clamp(min=1))
+    return out
+
+
+def _steps_per_epoch(num_batches: int, accum: int, n_examples: int, cfg: RunConfig) -> int:
+    """Optimizer steps per epoch; a trailing partial accumulation window is dropped."""
+    steps = num_batches // accum
+    if steps == 0:
+        raise UserError(
+            f"the training set has {n_examples} examples: fewer than one optimizer step of "
+            f"train.per_device_batch_size ({cfg.train.per_device_batch_size}) x train.grad_accum_steps ({accum}); "
+            "lower them or add data"
+        )
+    return steps
+
+
+def train(cfg: RunConfig, model: Any, tokenizer: Any, parts: StageParts, resume_from: Path | None) -> TrainResult:
+    """Run the loop; returns where the final model was saved. The output dir must already exist."""
+    from accelerate.utils import set_seed
+    from torch.utils.data import DataLoader
+    from tqdm.auto import tqdm
+    from transformers import get_scheduler
+
+    accelerator = build_accelerator(cfg)
+    set_seed(cfg.seed)
+    out = Path(cfg.output_dir)
+    loader = DataLoader(
+        parts.train_examples,
+        batch_size=cfg.train.per_device_batch_size,
+        shuffle=cfg.data.shuffle,
+        collate_fn=parts.collate,
+        drop_last=False,
+    )
+    eval_loader = None
+    if parts.eval_examples:
+        eval_loader = DataLoader(
+            parts.eval_examples, batch_size=cfg.train.per_device_batch_size, collate_fn=parts.collate
+        )
+    accum = cfg.train.grad_accum_steps
+    steps_per_epoch = _steps_per_epoch(
+        math.ceil(len(loader) / accelerator.num_processes), accum, len(parts.train_examples), cfg
+    )
+    total_steps = cfg.train.max_steps or max(1, math.ceil(steps_per_epoch * cfg.train.num_epochs))
+    warmup = cfg.train.warmup_steps or math.ceil(cfg.train.warmup_ratio * total_steps)
+    optimizer = _optimizer(model, cfg)
+    scheduler = get_scheduler(
+        cfg.train.lr_scheduler,
+        optimizer,
+        num_warmup_steps=warmup,
+        num_training_steps=total_steps,
+        scheduler_specific_kwargs={"min_lr_rate": 0.1} if "min_lr" in cfg.train.lr_scheduler else None,
+    )
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    if eval_loader is not None:
+        eval_loader = accelerator.prepare(eval_loader)
+    accelerator.register_save_state_pre_hook(_keep_trainable_weights)
+    if accelerator.log_with:
+        accelerator.init_trackers(cfg.name or cfg.stage, config=json.loads(cfg.model_dump_json()))
+
+    global_step, start_epoch, skip_batches = 0, 0, 0
+    if resume_from is not None:
+        state = json.loads((resume_from / "trainer_state.json").read_text())
+        accelerator.load_state(str(resume_from), strict=False)
+        global_step, start_epoch = state["global_step"], state["epoch"]
+        skip_batches = (global_step - start_epoch * steps_per_epoch) * accum
+        run_dir.truncate_log(out, global_step)
+        accelerator.print(f"resumed from {resume_from} at step {global_step}")
+
+    accelerator.print(
+        f"stage {cfg.stage}: {len(parts.train_examples)} examples, {steps_per_epoch} steps/epoch, {total_steps} steps, "
+        f"batch {cfg.train.per_device_batch_size} x accum {accum} x {accelerator.num_processes} process(es)"
+    )
+    bar = tqdm(
+        total=total_steps,
+        initial=global_step,
+        disable=not (cfg.logging.progress_bar and accelerator.is_main_process),
+        desc=cfg.stage,
+    )
+    meter, eval_metrics, last_metrics, grad_norm = _Meter(), {}, {}, None
+    start_time, window_tokens, tokens_since_log, time_since_log = time.time(), 0, 0, time.time()
+    steps_at_start = global_step
+    model.train()
+    epoch = start_epoch
+    while global_step < total_steps:
+        loader.set_epoch(epoch)
+        batches = accelerator.skip_first_batches(loader, skip_batches) if skip_batches else loader
+        skip_batches = 0
+        iterator = iter(batches)
+        while global_step < total_steps and global_step - epoch * steps_per_epoch < steps_per_epoch:
+            window = [next(iterator) for _ in range(accum)]
+            units = sum(float(parts.count_fn(b)) for b in window)
+            units = float(accelerator.reduce(torch.tensor(units, device=accelerator.device), "sum"))
+            window_loss = 0.0
+            for batch in window:
+                with accelerator.accumulate(model):
+                    loss_sum, metrics = parts.loss_fn(model, batch)
+                    loss = loss_sum / max(units, 1.0)
+                    # Accelerate/DeepSpeed divide by accum and DDP averages over processes; undo both so
+                    # the gradient is exactly d(sum of window losses / window units).
+                    accelerator.backward(loss * accum * accelerator.num_processes)
+                    window_loss += float(loss.detach())
+                    meter.add(metrics)
+                    window_tokens += _batch_tokens(batch)
+                    if accelerator.sync_gradients:
+                        grad_norm = _clip(accelerator, model, cfg.train.max_grad_norm)
+                        optimizer.step()
+                        scheduler.step()
+                        optimizer.zero_grad()
+            global_step += 1
+            bar.update(1)
+            loss_value = float(accelerator.reduce(torch.tensor(window_loss, device=accelerator.device), "sum"))
+            meter.add({"loss": loss_value, "grad_norm": grad_norm})
+            tokens_since_log += window_tokens
+            window_tokens = 0
+            if global_step % cfg.logging.logging_steps == 0 or global_step == total_steps:
+                now = time.time()
+                last_metrics = meter.pop()
+                elapsed = now - start_time
+                done = global_step - steps_at_start
+                record = {
+                    "step": global_step,
+                    "epoch": round(global_step / steps_per_epoch, 4),
+                    **last_metrics,
+                    "lr": scheduler.get_last_lr()[0],
+                    "tokens_per_s": tokens_since_log * accelerator.num_processes / max(now - time_since_log, 1e-9),
+                    "elapsed_s": round(elapsed, 2),
+                    "eta_s": round(elapsed / max(done, 1) * (total_steps - global_step), 2),
+                }
+                tokens_since_log, time_since_log = 0, now
+                _log_record(accelerator, out, record)
+                bar.set_postfix(loss=f"{last_metrics.get('loss', float('nan')):.4f}")
+            if eval_loader is not None and cfg.train.eval_steps and global_step % cfg.train.eval_steps == 0:
+                eval_metrics = evaluate(accelerator, model, eval_loader, parts)
+                _log_record(accelerator, out, {"step": global_step, **eval_metrics})
+            if cfg.train.save_steps and global_step % cfg.train.save_steps == 0 and global_step < total_steps:
+                _save_checkpoint(accelerator, cfg, out, global_step, epoch)
+        if global_step - epoch * steps_per_epoch >= steps_per_epoch:
+            epoch += 1
+    bar.close()
+    if eval_loader is not None and not (cfg.train.eval_steps and global_step % cfg.train.eval_steps == 0):
+        eval_metrics = evaluate(accelerator, model, eval_loader, parts)
+        _log_record(accelerator, out, {"step": global_step, **eval_metrics})
+    return _finish(accelerator, cfg, model, tokenizer, out, global_step, last_metrics, eval_metrics)
+
+
+def _clip(accelerator: Any, model: Any, max_norm: float | None) -> float | None:
+    if max_norm is not None:
+        norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
+    else:
+        grads = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
+        norm = torch.stack(grads).norm() if grads else None
+    return None if norm is None else float(norm)
+
+
+def _log_record(accelerator: Any, out: Path, record: dict[str, Any]) -> None:
+    if accelerator.is_main_process:
+        run_dir.append_log(out, record)
+    if accelerator.log_with:
+        accelerator.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+
+def _save_checkpoint(accelerator: Any, cfg: RunConfig, out: Path, step: int, epoch: int) -> None:
+    path = out / f"{run_dir.CHECKPOINT_PREFIX}{step}"
+    accelerator.save_state(str(path))
+    if accelerator.is_main_process:
+        # written last: a checkpoint without trainer_state.json is incomplete and never resumed from
+        (path / "trainer_state.json").write_text(json.dumps({"global_step": step, "epoch": epoch}))
+        run_dir.rotate_checkpoints(out, cfg.train.save_total_limit)
+    accelerator.wait_for_everyone()
+
+
+def _finish(
+    accelerator: Any,
+    cfg: RunConfig,
+    model: Any,
+    tokenizer: Any,
+    out: Path,
+    step: int,
+    last_metrics: dict[str, float],
+    eval_metrics: dict[str, float],
+) -> TrainResult:
+    from rlfactory.model.loader import save_model
+
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model)
+    saved_as = "full"
+    if accelerator.is_main_process:
+        saved_as = save_model(unwrapped, tokenizer, out)
+        if cfg.logging.plot_loss:
+            run_dir.plot_log(out)
+    accelerator.end_training()
+    return TrainResult(step, unwrapped, out, saved_as, last_metrics, eval_metrics)

@@ -1,0 +1,147 @@
+"""Load tokenizer and causal LM (local dir or hub cache), set up LoRA / freeze / full fine-tuning."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from rlfactory.config.schema import FreezeConfig, LoraConfig, ModelConfig
+from rlfactory.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def _check_exists(path: str) -> None:
+    """A local path must exist; anything else must be a hub id already in the local cache."""
+    looks_local = path.startswith((".", "/", "~")) or Path(path).exists() or path.count("/") != 1
+    if looks_local and not Path(path).expanduser().is_dir():
+        raise UserError(
+            f"model path '{path}' does not exist; set model.name_or_path to a model directory or a hub id "
+            "(e.g. Qwen/Qwen2.5-0.5B-Instruct)"
+        )
+
+
+def load_tokenizer(cfg: ModelConfig, padding_side: str = "right") -> Any:
+    """AutoTokenizer with a chat template (its own or the named ``model.template``) and a pad token."""
+    from transformers import AutoTokenizer
+
+    path = str(cfg.name_or_path)
+    _check_exists(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    except OSError as exc:
+        raise UserError(
+            f"cannot load a tokenizer from '{path}': {str(exc).splitlines()[0]} "
+            "(offline: the model must be a local directory or already in the Hugging Face cache)"
+        ) from None
+    if cfg.template is not None:
+        from rlfactory.render.templates import get_template
+
+        named = get_template(cfg.template)
+        tokenizer.chat_template = named.jinja
+        tokenizer.end_of_turn = named.end_of_turn
+        if tokenizer.convert_tokens_to_ids(named.end_of_turn) in (None, tokenizer.unk_token_id):
+            raise UserError(
+                f"model.template '{cfg.template}' ends turns with '{named.end_of_turn}', which is not a token of "
+                f"'{path}'; pick a template that matches the tokenizer's special tokens"
+            )
+    elif not getattr(tokenizer, "chat_template", None):
+        from rlfactory.render.templates import TEMPLATES
+
+        raise UserError(
+            f"the tokenizer of '{path}' has no chat template; set model.template to one of: {', '.join(TEMPLATES)}"
+        )
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = padding_side
+    return tokenizer
+
+
+def resolve_dtype(name: str) -> Any:
+    import torch
+
+    if name == "auto":
+        use_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if use_bf16 else torch.float32
+    return getattr(torch, name)
+
+
+def load_model(cfg: ModelConfig, lora: LoraConfig, freeze: FreezeConfig, trainable: bool = True) -> Any:
+    """The causal LM with adapters merged and the fine-tuning method applied."""
+    from transformers import AutoModelForCausalLM
+
+    path = str(cfg.name_or_path)
+    _check_exists(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=resolve_dtype(cfg.dtype),
+            attn_implementation=cfg.attn_implementation,
+            trust_remote_code=cfg.trust_remote_code,
+        )
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot load model '{path}': {str(exc).splitlines()[0]}") from None
+    for adapter in cfg.adapter_paths:
+        model = merge_adapter(model, adapter)
+    if not trainable:
+        model.requires_grad_(False)
+        return model
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if cfg.finetuning == "lora":
+        model = apply_lora(model, lora, cfg.gradient_checkpointing)
+    elif cfg.finetuning == "freeze":
+        apply_freeze(model, freeze)
+    trainable_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    log.info(
+        "trainable params: %s / %s (%.2f%%)", f"{trainable_params:,}", f"{total:,}", 100 * trainable_params / total
+    )
+    return model
+
+
+def merge_adapter(model: Any, adapter: str) -> Any:
+    from peft import PeftModel
+
+    if not Path(adapter, "adapter_config.json").is_file():
+        raise UserError(f"model.adapter_paths: '{adapter}' is not a LoRA adapter directory (no adapter_config.json)")
+    return PeftModel.from_pretrained(model, adapter).merge_and_unload()
+
+
+def apply_lora(model: Any, lora: LoraConfig, gradient_checkpointing: bool) -> Any:
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    if gradient_checkpointing:
+        model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
+    peft_config = PeftLoraConfig(
+        task_type="CAUSAL_LM",
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        modules_to_save=lora.modules_to_save or None,
+    )
+    try:
+        return get_peft_model(model, peft_config)
+    except ValueError as exc:
+        raise UserError(f"lora.target_modules: {exc}") from None
+
+
+def apply_freeze(model: Any, freeze: FreezeConfig) -> None:
+    """Train only the last ``trainable_layers`` decoder layers (plus ``extra_modules``)."""
+    num_layers = model.config.num_hidden_layers
+    if freeze.trainable_layers > num_layers:
+        raise UserError(f"freeze.trainable_layers is {freeze.trainable_layers} but the model has {num_layers} layers")
+    keep = {f".layers.{i}." for i in range(num_layers - freeze.trainable_layers, num_layers)}
+    for name, param in model.named_parameters():
+        param.requires_grad = any(k in name for k in keep) or any(m in name for m in freeze.extra_modules)
+
+
+def save_model(model: Any, tokenizer: Any, output_dir: str | Path) -> str:
+    """Save a normal HF directory: the adapter for LoRA, the full weights otherwise; returns its kind."""
+    model.save_pretrained(str(output_dir), safe_serialization=True)
+    tokenizer.save_pretrained(str(output_dir))
+    return "adapter" if hasattr(model, "peft_config") else "full"

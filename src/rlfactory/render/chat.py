@@ -1,0 +1,147 @@
+"""Messages -> token ids + loss masks, through the tokenizer's own chat template.
+
+One rendering path for training and rollout (DESIGN principle 2). A conversation is cut into
+*segments*: text the template adds around messages (never trained) and the assistant turns
+(trained: the content, tool calls and the end-of-turn token, exactly what the policy generates).
+Segment boundaries are found by rendering growing prefixes of the conversation, so masks are
+computed from the template itself, not guessed. Each segment is tokenized on its own: the prompt
+of a rollout is exactly the prefix segments, and the sampled tokens are the assistant segment,
+so training tokens equal generated tokens (token-in, token-out).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rlfactory.errors import UserError
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Segment:
+    ids: list[int]
+    trainable: bool  # produced by the model (an assistant turn)
+    message_index: int  # index of the message this segment ends, -1 for trailing glue
+
+
+def _apply(tokenizer: Any, messages: list[dict], tools: list | None, generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def end_of_turn(tokenizer: Any) -> str:
+    """The string that closes an assistant turn (set by the model loader; eos by default)."""
+    return getattr(tokenizer, "end_of_turn", None) or tokenizer.eos_token
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False) if text else []
+
+
+def _not_prefix(i: int, what: str) -> UserError:
+    return UserError(
+        f"the chat template is not prefix-stable at message {i} ({what}): rendering a conversation "
+        "changes how earlier turns look, so trained tokens cannot be located exactly. "
+        "Set `model.template` to a named template (e.g. chatml) or use a template without history rewriting"
+    )
+
+
+def _turn_segments(tokenizer: Any, messages: list[dict], tools: list | None) -> tuple[list[Segment], str]:
+    """Segments up to the end of the last assistant turn, and the rendered text they cover."""
+    stop = end_of_turn(tokenizer)
+    segments: list[Segment] = []
+    done = ""  # rendered text already assigned to segments
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant" or i == 0:
+            continue
+        prefix = _apply(tokenizer, messages[:i], tools, generation_prompt=True)
+        full = _apply(tokenizer, messages[: i + 1], tools, generation_prompt=False)
+        if not prefix.startswith(done):
+            raise _not_prefix(i, "the prompt of this turn does not start with the previous turns")
+        if not full.startswith(prefix):
+            raise _not_prefix(i, "this assistant turn does not extend its own prompt")
+        body = full[len(prefix) :]
+        cut = body.find(stop)
+        if cut < 0:
+            raise UserError(
+                f"the chat template does not end assistant turns with '{stop}' (message {i}); "
+                "set `model.template` or fix the tokenizer's eos_token"
+            )
+        generated = body[: cut + len(stop)]
+        segments.append(Segment(_encode(tokenizer, prefix[len(done) :]), False, i - 1))
+        segments.append(Segment(_encode(tokenizer, generated), True, i))
+        done = prefix + generated
+    return segments, done
+
+
+def _with_tail(tokenizer: Any, messages: list[dict], tools: list | None, generation_prompt: bool) -> list[Segment]:
+    segments, done = _turn_segments(tokenizer, messages, tools)
+    text = _apply(tokenizer, messages, tools, generation_prompt=generation_prompt)
+    if not text.startswith(done):
+        raise _not_prefix(len(messages), "the whole conversation does not extend its turns")
+    if text[len(done) :]:
+        segments.append(Segment(_encode(tokenizer, text[len(done) :]), False, -1))
+    return segments
+
+
+def render_segments(tokenizer: Any, messages: list[dict], tools: list | None = None) -> list[Segment]:
+    """Split a rendered conversation into glue and assistant segments (see module doc)."""
+    return _with_tail(tokenizer, messages, tools, generation_prompt=False)
+
+
+def render_prompt(tokenizer: Any, messages: list[dict], tools: list | None = None) -> list[int]:
+    """Token ids of a conversation plus the assistant generation prompt (what a rollout continues).
+
+    Built from the same segments as training, so these ids are a prefix of the trained sequence.
+    """
+    return [t for segment in _with_tail(tokenizer, messages, tools, generation_prompt=True) for t in segment.ids]
+
+
+def render_sft(
+    tokenizer: Any,
+    messages: list[dict],
+    tools: list | None = None,
+    train_on: str = "assistant",
+    cutoff_len: int | None = None,
+    truncation: str = "right",
+) -> dict[str, list[int]] | None:
+    """input_ids and labels (IGNORE_INDEX where no loss) for SFT; None if the example must be dropped.
+
+    train_on: ``assistant`` every assistant turn, ``last_assistant`` only the final one, ``all``
+    every token. Truncation ``right`` cuts at cutoff_len (dropped if no trained token survives).
+    """
+    segments = render_segments(tokenizer, messages, tools)
+    last_trainable = max(i for i, s in enumerate(segments) if s.trainable)
+    input_ids: list[int] = []
+    labels: list[int] = []
+    for index, segment in enumerate(segments):
+        trained = train_on == "all" or (segment.trainable and (train_on == "assistant" or index == last_trainable))
+        input_ids += segment.ids
+        labels += segment.ids if trained else [IGNORE_INDEX] * len(segment.ids)
+    if cutoff_len is not None and len(input_ids) > cutoff_len:
+        if truncation == "drop":
+            return None
+        input_ids, labels = input_ids[:cutoff_len], labels[:cutoff_len]
+    if all(label == IGNORE_INDEX for label in labels[1:]):
+        return None
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def render_continuation(
+    tokenizer: Any, messages: list[dict], continuation: list[dict], tools: list | None = None
+) -> tuple[list[int], list[int], list[bool]]:
+    """(prompt_ids, response_ids, response_mask) for ``messages`` continued by ``continuation``.
+
+    Used by preference stages: the response is the chosen/rejected turn(s); the mask marks the
+    tokens the policy produced (tool results inside a multi-turn response are not trained).
+    """
+    prompt_ids = render_prompt(tokenizer, messages, tools)
+    ids: list[int] = []
+    mask: list[bool] = []
+    for segment in render_segments(tokenizer, messages + continuation, tools):
+        ids += segment.ids
+        mask += [segment.trainable] * len(segment.ids)
+    if ids[: len(prompt_ids)] != prompt_ids:
+        raise _not_prefix(len(messages), "the response does not extend the rendered prompt")
+    return prompt_ids, ids[len(prompt_ids) :], mask[len(prompt_ids) :]

@@ -1,0 +1,101 @@
+"""Wiring shared by the stages: checks before anything is written, the output dir, generation eval,
+and the closing summary. Each stage module reads top to bottom and calls these."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+from rlfactory.config.loader import dump_config
+from rlfactory.config.schema import EvaluationConfig, RunConfig
+from rlfactory.engine import run_dir
+
+log = logging.getLogger(__name__)
+
+
+def preflight(cfg: RunConfig) -> Path | None:
+    """Checks that need no model: resume target and output dir. Returns the checkpoint to resume."""
+    resume_from = run_dir.resolve_resume(cfg.output_dir, cfg.resume_from_checkpoint)
+    run_dir.check_output_dir(cfg.output_dir, cfg.overwrite_output_dir, resume_from)
+    return resume_from
+
+
+def start_output_dir(cfg: RunConfig, resume_from: Path | None) -> Path:
+    """Create the output dir (all checks passed) and save the resolved config in it."""
+    out = run_dir.prepare_output_dir(cfg.output_dir, cfg.overwrite_output_dir, resume_from)
+    (out / "config.yaml").write_text(dump_config(cfg))
+    return out
+
+
+def split_eval(examples: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """Hold out a seeded fraction of the examples for evaluation."""
+    if fraction <= 0:
+        return examples, []
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    n_eval = max(1, int(len(examples) * fraction))
+    held = set(order[:n_eval])
+    return [e for i, e in enumerate(examples) if i not in held], [examples[i] for i in sorted(held)]
+
+
+def load_eval_prompts(cfg: RunConfig) -> list[dict[str, Any]]:
+    """Prompt+answer examples for generation-based evaluation (empty when not configured)."""
+    from rlfactory.data.loader import load_examples
+    from rlfactory.rewards.builtin import REWARD_FUNCTIONS
+
+    ev = cfg.evaluation
+    if ev.dataset is None:
+        return []
+    REWARD_FUNCTIONS.get(ev.metric)  # unknown metric: clear error before any model loads
+    return load_examples([ev.dataset], "prompt", cfg.data.dataset_dir, ev.max_samples, cfg.data.max_bad_rows)
+
+
+def evaluate_generation(model: Any, tokenizer: Any, prompts: list[dict[str, Any]], ev: EvaluationConfig) -> dict:
+    """Greedy generation on held-out prompts, scored by a reward function (mean score = accuracy)."""
+    from rlfactory.render.chat import render_prompt
+    from rlfactory.rewards.builtin import REWARD_FUNCTIONS
+    from rlfactory.rollout.hf import generate_ids
+
+    score_fn = REWARD_FUNCTIONS.get(ev.metric)
+    prompt_ids = [render_prompt(tokenizer, ex["messages"], ex.get("tools")) for ex in prompts]
+    outputs = generate_ids(model, tokenizer, prompt_ids, ev.max_new_tokens, batch_size=ev.batch_size)
+    scores, samples = [], []
+    for example, ids, out in zip(prompts, prompt_ids, outputs, strict=True):
+        completion = tokenizer.decode(out, skip_special_tokens=True)
+        score = score_fn(tokenizer.decode(ids), completion, example.get("answer"), example)
+        scores.append(float(score if not isinstance(score, dict) else sum(score.values())))
+        samples.append(
+            {
+                "prompt": example["messages"][-1]["content"],
+                "completion": completion,
+                "answer": example.get("answer"),
+                "score": scores[-1],
+            }
+        )
+    return {"score": sum(scores) / len(scores), "n": len(scores), "samples": samples}
+
+
+def finish(cfg: RunConfig, result: Any, extra: dict[str, Any]) -> dict[str, Any]:
+    """Write run_summary.json and print where the model went and what it scored."""
+    summary = {
+        "stage": cfg.stage,
+        "output_dir": str(result.final_dir),
+        "saved_as": result.saved_as,
+        "global_step": result.global_step,
+        "train": result.last_metrics,
+        "eval": result.eval_metrics,
+        **extra,
+    }
+    Path(result.final_dir, "run_summary.json").write_text(json.dumps(summary, indent=2))
+    lines = [f"saved {result.saved_as} model to {result.final_dir}"]
+    if "eval_loss" in result.eval_metrics:
+        lines.append(f"eval loss {result.eval_metrics['eval_loss']:.4f}")
+    for key, value in extra.items():
+        if isinstance(value, dict) and "before" in value:
+            before = "n/a" if value["before"] is None else f"{value['before']:.3f}"
+            lines.append(f"{key}: {before} -> {value['after']:.3f}")
+    print("\n".join(lines))
+    return summary

@@ -1,0 +1,43 @@
+"""Run a single stage or a pipeline of stages (later stages may start from earlier outputs)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rlfactory.config.schema import PipelineConfig, RunConfig
+from rlfactory.stages import get_stage
+
+
+def resolve_from_stage(run: RunConfig, outputs: dict[str, RunConfig]) -> RunConfig:
+    """Point ``model`` at an earlier stage's result: its full weights, or base + its adapter."""
+    source_name = run.model.from_stage
+    if source_name is None:
+        return run
+    source = outputs[source_name]
+    summary = json.loads(Path(source.output_dir, "run_summary.json").read_text())
+    model = run.model.model_copy()
+    if summary["saved_as"] == "adapter":
+        model.name_or_path = source.model.name_or_path
+        model.adapter_paths = [*source.model.adapter_paths, source.output_dir]
+    else:
+        model.name_or_path = source.output_dir
+        model.adapter_paths = []
+    model.template = model.template or source.model.template
+    model.from_stage = None
+    return run.model_copy(update={"model": model})
+
+
+def run_config(config: RunConfig | PipelineConfig) -> list[dict[str, Any]]:
+    """Run every stage in order; returns their summaries."""
+    runs = config.stages if isinstance(config, PipelineConfig) else [config]
+    done: dict[str, RunConfig] = {}
+    summaries = []
+    for index, run in enumerate(runs):
+        run = resolve_from_stage(run, done)
+        if len(runs) > 1:
+            print(f"=== pipeline stage {index + 1}/{len(runs)}: {run.name or run.stage} ({run.stage}) ===")
+        summaries.append(get_stage(run.stage).run(run))
+        done[run.name or run.stage] = run
+    return summaries

@@ -1,0 +1,141 @@
+"""Stage ``sft``: supervised fine-tuning with loss on assistant tokens.
+
+Reads top to bottom: checks -> tokenizer -> data (render + masks) -> model -> output dir ->
+score before -> train (shared engine) -> score after -> summary.
+
+Batching: padded micro-batches, or with ``data.packing`` one padding-free row per micro-batch
+whose position ids restart at every document; transformers then builds a block-diagonal
+attention mask from the position ids, so packed documents never attend to each other.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from rlfactory.algos.common import shift_for_causal_lm, token_logprobs
+from rlfactory.config.schema import RunConfig
+from rlfactory.engine.trainer import Batch, StageParts, train
+from rlfactory.errors import UserError
+from rlfactory.render.chat import IGNORE_INDEX
+from rlfactory.stages import common
+
+log = logging.getLogger(__name__)
+
+
+def render_examples(cfg: RunConfig, tokenizer: Any, examples: list[dict]) -> list[dict[str, list[int]]]:
+    """Canonical examples -> input_ids/labels; counts what truncation dropped."""
+    from rlfactory.render.chat import render_sft
+
+    rendered, dropped = [], 0
+    for example in examples:
+        item = render_sft(
+            tokenizer,
+            example["messages"],
+            example.get("tools"),
+            cfg.data.train_on,
+            cfg.data.cutoff_len,
+            cfg.data.truncation,
+        )
+        if item is None:
+            dropped += 1
+        else:
+            rendered.append(item)
+    if dropped:
+        log.warning(
+            "%d example(s) dropped: longer than data.cutoff_len=%d with nothing left to train on",
+            dropped,
+            cfg.data.cutoff_len,
+        )
+    if not rendered:
+        raise UserError(f"no example fits data.cutoff_len={cfg.data.cutoff_len}; raise it")
+    return rendered
+
+
+def collate_padded(pad_id: int):
+    def collate(items: list[dict[str, list[int]]]) -> Batch:
+        width = max(len(item["input_ids"]) for item in items)
+        ids = torch.full((len(items), width), pad_id, dtype=torch.long)
+        labels = torch.full((len(items), width), IGNORE_INDEX, dtype=torch.long)
+        mask = torch.zeros((len(items), width), dtype=torch.long)
+        for row, item in enumerate(items):
+            n = len(item["input_ids"])
+            ids[row, :n] = torch.tensor(item["input_ids"])
+            labels[row, :n] = torch.tensor(item["labels"])
+            mask[row, :n] = 1
+        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+    return collate
+
+
+def collate_packed(items: list[dict[str, list[int]]]) -> Batch:
+    """One row: documents back to back, position ids restarting at 0, first token of each doc unlabeled."""
+    ids, labels, positions = [], [], []
+    for item in items:
+        n = len(item["input_ids"])
+        ids += item["input_ids"]
+        labels += [IGNORE_INDEX] + item["labels"][1:]  # never predict a document from the previous one
+        positions += list(range(n))
+    as_row = lambda values: torch.tensor([values], dtype=torch.long)
+    return {"input_ids": as_row(ids), "labels": as_row(labels), "position_ids": as_row(positions)}
+
+
+def nll_sum(model: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    """Summed next-token NLL over labelled tokens (the engine divides by the window's token count)."""
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+    logits = model(**inputs, use_cache=False).logits
+    targets, mask = shift_for_causal_lm(batch["labels"])
+    logps = token_logprobs(logits, targets)
+    n_tokens = mask.sum()
+    loss_sum = -(logps * mask).sum()
+    return loss_sum, {"nll_per_token": float(loss_sum.detach() / n_tokens.clamp(min=1))}
+
+
+def count_tokens(batch: Batch) -> float:
+    return float((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def run(cfg: RunConfig) -> dict[str, Any]:
+    from rlfactory.data.loader import load_examples
+    from rlfactory.model.loader import load_model, load_tokenizer
+
+    resume_from = common.preflight(cfg)
+    tokenizer = load_tokenizer(cfg.model)
+
+    examples = load_examples(cfg.data.dataset, "sft", cfg.data.dataset_dir, cfg.data.max_samples, cfg.data.max_bad_rows)
+    train_examples, eval_examples = common.split_eval(examples, cfg.data.eval_split, cfg.seed)
+    if cfg.data.eval_dataset:
+        eval_examples = load_examples(
+            cfg.data.eval_dataset, "sft", cfg.data.dataset_dir, cfg.data.max_samples, cfg.data.max_bad_rows
+        )
+    train_items = render_examples(cfg, tokenizer, train_examples)
+    eval_items = render_examples(cfg, tokenizer, eval_examples) if eval_examples else None
+    eval_prompts = common.load_eval_prompts(cfg)
+
+    model = load_model(cfg.model, cfg.lora, cfg.freeze)
+    common.start_output_dir(cfg, resume_from)
+
+    scores: dict[str, Any] = {}
+    if eval_prompts and cfg.evaluation.before_training and resume_from is None:
+        scores["before"] = common.evaluate_generation(model, tokenizer, eval_prompts, cfg.evaluation)["score"]
+
+    parts = StageParts(
+        train_examples=train_items,
+        eval_examples=eval_items,
+        collate=collate_packed if cfg.data.packing else collate_padded(tokenizer.pad_token_id),
+        loss_fn=nll_sum,
+        count_fn=count_tokens,
+    )
+    result = train(cfg, model, tokenizer, parts, resume_from)
+
+    extra: dict[str, Any] = {}
+    if eval_prompts:
+        after = common.evaluate_generation(result.model, tokenizer, eval_prompts, cfg.evaluation)
+        extra[f"{cfg.evaluation.metric} ({cfg.evaluation.dataset})"] = {
+            "before": scores.get("before"),
+            "after": after["score"],
+            "n": after["n"],
+        }
+    return common.finish(cfg, result, extra)

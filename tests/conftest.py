@@ -1,0 +1,46 @@
+"""Shared fixtures: the bundled tiny model, a CLI runner, and YAML helpers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_MODEL = ROOT / "data" / "models" / "tiny-arith"
+DATA_DIR = ROOT / "data"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    """Run the real CLI in a subprocess (exit code, stdout and stderr as a user sees them)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "rlfactory", *args],
+        cwd=cwd or ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def write_yaml(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.fixture
+def sft_config(tmp_path: Path) -> dict:
+    """A fast SFT run on the bundled model and data."""
+    return {
+        "stage": "sft",
+        "output_dir": str(tmp_path / "out"),
+        "model": {"name_or_path": str(TINY_MODEL), "finetuning": "lora"},
+        "lora": {"r": 4, "alpha": 8},
+        "data": {"dataset": "arith_sft", "dataset_dir": str(DATA_DIR), "max_samples": 64, "cutoff_len": 128},
+        "train": {"max_steps": 4, "per_device_batch_size": 8, "learning_rate": 1e-3},
+        "logging": {"progress_bar": False, "plot_loss": False},
+    }
