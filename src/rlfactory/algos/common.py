@@ -77,12 +77,11 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
     return variance
 
 
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """Standardise ``values`` with the masked mean and unbiased masked variance: (x - mu) / sqrt(var + eps).
 
-    Statistics come from masked positions only; every position is transformed (multiply by the
-    mask afterwards to zero padding). ``shift_mean=False`` adds the mean back (scale only).
+    Statistics come from masked positions only (as verl's ``masked_whiten``); every position is
+    transformed, so multiply by the mask afterwards to zero padding.
     """
     mean, var = masked_mean(values, mask), masked_var(values, mask)
-    whitened = (values - mean) * torch.rsqrt(var + eps)
-    return whitened if shift_mean else whitened + mean
+    return (values - mean) * torch.rsqrt(var + eps)
