@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_MODEL = ROOT / "data" / "models" / "tiny-arith"
+TINY_MODEL = Path(os.environ.get("RLFACTORY_TEST_MODEL", ROOT / "data" / "models" / "tiny-arith"))
 DATA_DIR = ROOT / "data"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -44,6 +44,7 @@ def markdown_reference() -> str:
             out += [*_table(annotation, f"{name}."), ""]
     for name, cls in schema.SECTION_CLASSES.items():
         stages = [s for s, secs in schema.STAGE_SECTIONS.items() if name in secs]
-        out += [f"## `{name}` (stage {', '.join(stages)} only)", "", *_table(cls, f"{name}."), ""]
+        doc = (cls.__doc__ or "").strip().split("\n")[0]
+        out += [f"## `{name}` (stage {', '.join(stages)} only)", "", doc, "", *_table(cls, f"{name}."), ""]
     out += ["## Pipelines", "", *_table(schema.PipelineConfig, ""), ""]
     return "\n".join(line for line in out)

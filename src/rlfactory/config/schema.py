@@ -30,6 +30,8 @@ def _as_list(value: Any) -> Any:
 
 # --------------------------------------------------------------------------- shared sections
 class ModelConfig(Section):
+    """Which model to start from and how it is loaded and trained."""
+
     name_or_path: str | None = Field(
         None,
         description="Base model: a local directory or a Hugging Face hub id (must be in the local cache "
@@ -65,6 +67,8 @@ class ModelConfig(Section):
 
 
 class LoraConfig(Section):
+    """LoRA adapters (peft), used when model.finetuning is lora."""
+
     r: int = Field(8, ge=1, description="LoRA rank.")
     alpha: int = Field(16, ge=1, description="LoRA scaling numerator (scale = alpha / r).")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA branch.")
@@ -77,6 +81,8 @@ class LoraConfig(Section):
 
 
 class FreezeConfig(Section):
+    """Freeze fine-tuning: only the last layers are trained."""
+
     trainable_layers: int = Field(
         2, ge=1, description="Freeze fine-tuning: how many of the last decoder layers are trained."
     )
@@ -86,6 +92,8 @@ class FreezeConfig(Section):
 
 
 class DataConfig(Section):
+    """Datasets from the registry, and how they are rendered, cut and batched."""
+
     dataset: list[str] = Field(
         default_factory=list, description="Training dataset name(s) from the registry (dataset_info.yaml)."
     )
@@ -119,6 +127,8 @@ class DataConfig(Section):
 
 
 class TrainConfig(Section):
+    """Optimisation: steps, batch sizes, learning rate, precision, evaluation and checkpoints."""
+
     num_epochs: float = Field(1.0, gt=0, description="Passes over the training data (ignored if max_steps).")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
     per_device_batch_size: int = Field(4, ge=1, description="Micro-batch size per device (memory-bound).")
@@ -143,6 +153,8 @@ class TrainConfig(Section):
 
 
 class LoggingConfig(Section):
+    """trainer_log.jsonl, trackers, plots and progress bars."""
+
     logging_steps: int = Field(1, ge=1, description="Write a trainer_log.jsonl line every N steps.")
     report_to: list[Literal["none", "tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=lambda: ["none"], description="Experiment trackers (through Accelerate)."
@@ -166,6 +178,8 @@ class EvaluationConfig(Section):
 
 # --------------------------------------------------------------------------- stage sections
 class RMConfig(Section):
+    """Reward modelling (Bradley-Terry on preference pairs)."""
+
     margin_column: bool = Field(False, description="Use a per-pair `margin` column in the Bradley-Terry loss.")
     center_rewards_coefficient: float | None = Field(
         None, ge=0, description="Weight of the (r_chosen + r_rejected)^2 centering regulariser."
@@ -173,6 +187,8 @@ class RMConfig(Section):
 
 
 class DPOConfig(Section):
+    """Direct preference optimisation and its variants."""
+
     loss_type: str = Field("sigmoid", description="Preference loss: sigmoid, ipo, hinge, robust, simpo.")
     beta: float = Field(0.1, gt=0, description="Inverse temperature of the implicit reward.")
     label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="cDPO / robust DPO label noise.")
@@ -187,16 +203,22 @@ class DPOConfig(Section):
 
 
 class KTOConfig(Section):
+    """Kahneman-Tversky optimisation on unpaired desirable/undesirable examples."""
+
     beta: float = Field(0.1, gt=0, description="KTO beta.")
     desirable_weight: float = Field(1.0, gt=0, description="Weight of desirable examples.")
     undesirable_weight: float = Field(1.0, gt=0, description="Weight of undesirable examples.")
 
 
 class ORPOConfig(Section):
+    """Odds-ratio preference optimisation (reference-free)."""
+
     beta: float = Field(0.1, gt=0, description="Weight (lambda) of the odds-ratio term added to the NLL.")
 
 
 class RolloutConfig(Section):
+    """Generation of samples for the online stages."""
+
     backend: Literal["hf", "vllm"] = Field("hf", description="Generation backend.")
     num_samples: int = Field(4, ge=1, description="Samples per prompt (the group size for grpo).")
     prompts_per_step: int = Field(8, ge=1, description="Prompts per RL step.")
@@ -208,6 +230,8 @@ class RolloutConfig(Section):
 
 
 class RewardConfig(Section):
+    """Where rewards come from: functions, a reward model, and their weights."""
+
     functions: dict[str, float] = Field(
         default_factory=dict, description="Reward functions (registry names or file.py:function) -> weight."
     )
@@ -216,6 +240,8 @@ class RewardConfig(Section):
 
 
 class AlgorithmConfig(Section):
+    """Online RL algorithm: estimator, policy loss, aggregation and KL, each chosen by name."""
+
     adv_estimator: str = Field("grpo", description="Advantage estimator (gae, grpo, rloo, ...).")
     policy_loss: str = Field("ppo_clip", description="Policy loss (ppo_clip, gspo, cispo).")
     loss_agg: str = Field("token-mean", description="Loss aggregation mode.")

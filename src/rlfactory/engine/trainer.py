@@ -229,6 +229,8 @@ def train(cfg: RunConfig, model: Any, tokenizer: Any, parts: StageParts, resume_
     meter, eval_metrics, last_metrics, grad_norm = _Meter(), {}, {}, None
     start_time, window_tokens, tokens_since_log, time_since_log = time.time(), 0, 0, time.time()
     steps_at_start = global_step
+    if eval_loader is not None and resume_from is None:  # step-0 eval: the baseline the curve starts from
+        _log_record(accelerator, out, {"step": 0, **evaluate(accelerator, model, eval_loader, parts)})
     model.train()
     epoch = start_epoch
     while global_step < total_steps:

@@ -1,0 +1,119 @@
+"""The CLI as a user meets it: help, env, schema, and bad input -> one clear message, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT, TINY_MODEL, run_cli, write_yaml
+
+
+def test_help_is_fast_and_lists_commands():
+    start = time.time()
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for command in ("train", "config", "env", "version"):
+        assert command in result.stdout
+    assert time.time() - start < 5  # no torch/transformers import on the help path
+
+
+def test_version_env_and_schema():
+    assert run_cli("version").stdout.strip() == "0.1.0"
+    env = run_cli("env").stdout
+    for package in ("torch", "transformers", "peft", "trl", "accelerate", "deepspeed", "vllm", "gradio", "cuda"):
+        assert package in env
+    schema = json.loads(run_cli("config", "schema").stdout)
+    assert schema["properties"]["stage"]["enum"] == ["sft", "rm", "dpo", "kto", "orpo", "ppo", "grpo"]
+
+
+def test_config_docs_are_current():
+    """docs/CONFIG.md is generated from the schema (`make docs`); it must not drift."""
+    assert (ROOT / "docs" / "CONFIG.md").read_text().strip() == run_cli("config", "docs").stdout.strip()
+
+
+@pytest.mark.parametrize("example", sorted(str(p.relative_to(ROOT)) for p in (ROOT / "examples").rglob("*.yaml")))
+def test_every_example_validates(example: str):
+    result = run_cli("config", "check", example)
+    assert result.returncode == 0, result.stderr
+    assert "OK" in result.stdout
+
+
+def _expect_clear_error(result, *fragments: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and "Traceback" not in result.stdout
+    assert result.stderr.startswith("error: ") or "\nerror: " in result.stderr
+    for fragment in fragments:
+        assert fragment in result.stderr, result.stderr
+
+
+def test_missing_yaml(tmp_path: Path):
+    _expect_clear_error(run_cli("train", str(tmp_path / "nope.yaml")), "nope.yaml' does not exist")
+
+
+def test_yaml_syntax_error(tmp_path: Path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("stage: sft\nmodel:\n  name_or_path: [x\n")
+    _expect_clear_error(run_cli("train", str(path)), "YAML syntax error at line")
+
+
+def _bad_run(tmp_path: Path, cfg: dict, *overrides: str):
+    path = write_yaml(tmp_path / "run.yaml", cfg)
+    result = run_cli("train", str(path), *overrides)
+    assert not Path(cfg["output_dir"]).exists(), "nothing may be written for a bad config"
+    return result
+
+
+def test_unknown_key_and_wrong_type(tmp_path: Path, sft_config: dict):
+    _expect_clear_error(_bad_run(tmp_path, sft_config, "train.learnig_rate=1"),
+                        "unknown key 'train.learnig_rate'", "did you mean 'learning_rate'")
+    _expect_clear_error(_bad_run(tmp_path, sft_config, "train.max_steps=many"), "train.max_steps:", "integer")
+
+
+def test_missing_dataset_file_and_unknown_name(tmp_path: Path, sft_config: dict):
+    registry = tmp_path / "data"
+    registry.mkdir()
+    (registry / "dataset_info.yaml").write_text(yaml.safe_dump({"mine": {"file_name": "missing.jsonl"}}))
+    cfg = {**sft_config, "data": {**sft_config["data"], "dataset_dir": str(registry), "dataset": "mine"}}
+    _expect_clear_error(_bad_run(tmp_path, cfg), "dataset 'mine': file", "missing.jsonl' does not exist")
+    _expect_clear_error(_bad_run(tmp_path, cfg, "data.dataset=mien"), "dataset 'mien' is not in",
+                        "did you mean 'mine'")
+
+
+def test_row_without_column_and_empty_dataset(tmp_path: Path, sft_config: dict):
+    registry = tmp_path / "data"
+    registry.mkdir()
+    (registry / "rows.jsonl").write_text(json.dumps({"text": "no messages here"}) + "\n")
+    (registry / "dataset_info.yaml").write_text(yaml.safe_dump({"rows": {"file_name": "rows.jsonl"}}))
+    cfg = {**sft_config, "data": {**sft_config["data"], "dataset_dir": str(registry), "dataset": "rows"}}
+    _expect_clear_error(_bad_run(tmp_path, cfg), "rows.jsonl row 1: missing column 'messages'")
+    _expect_clear_error(_bad_run(tmp_path, cfg, "data.max_bad_rows=1"), "gave no usable sft examples")
+
+
+def test_model_path_missing(tmp_path: Path, sft_config: dict):
+    cfg = {**sft_config, "model": {"name_or_path": str(tmp_path / "no-model")}}
+    _expect_clear_error(_bad_run(tmp_path, cfg), "model path", "no-model' does not exist")
+
+
+def test_tokenizer_without_chat_template(tmp_path: Path, sft_config: dict):
+    model_dir = tmp_path / "model"
+    shutil.copytree(TINY_MODEL, model_dir)
+    (model_dir / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    cfg = {**sft_config, "model": {"name_or_path": str(model_dir)}}
+    _expect_clear_error(_bad_run(tmp_path, cfg), "has no chat template; set model.template to one of: chatml")
+
+
+def test_output_dir_holding_another_run(tmp_path: Path, sft_config: dict):
+    out = Path(sft_config["output_dir"])
+    out.mkdir()
+    (out / "config.yaml").write_text("stage: sft\n")
+    result = run_cli("train", str(write_yaml(tmp_path / "run.yaml", sft_config)))
+    _expect_clear_error(result, "already holds a run", "overwrite_output_dir: true")
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml"]  # untouched
