@@ -164,39 +164,41 @@ def _steps_per_epoch(num_batches: int, accum: int, n_examples: int, cfg: RunConf
     return steps
 
 
-def train(cfg: RunConfig, model: Any, tokenizer: Any, parts: StageParts, resume_from: Path | None) -> TrainResult:
-    """Run the loop; returns where the final model was saved. The output dir must already exist."""
+@dataclass
+class _Setup:
+    """Everything prepared by Accelerate for one run."""
+
+    accelerator: Any
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    loader: Any
+    eval_loader: Any
+    steps_per_epoch: int
+    total_steps: int
+
+
+def _setup(cfg: RunConfig, model: Any, parts: StageParts) -> _Setup:
+    """Accelerator, data loaders, optimizer and LR schedule, all passed through ``accelerator.prepare``."""
     from accelerate.utils import set_seed
     from torch.utils.data import DataLoader
-    from tqdm.auto import tqdm
     from transformers import get_scheduler
 
     accelerator = build_accelerator(cfg)
     set_seed(cfg.seed)
-    out = Path(cfg.output_dir)
-    loader = DataLoader(
-        parts.train_examples,
-        batch_size=cfg.train.per_device_batch_size,
-        shuffle=cfg.data.shuffle,
-        collate_fn=parts.collate,
-        drop_last=False,
-    )
+    batch_size = cfg.train.per_device_batch_size
+    loader = DataLoader(parts.train_examples, batch_size=batch_size, shuffle=cfg.data.shuffle, collate_fn=parts.collate)
     eval_loader = None
     if parts.eval_examples:
-        eval_loader = DataLoader(
-            parts.eval_examples, batch_size=cfg.train.per_device_batch_size, collate_fn=parts.collate
-        )
-    accum = cfg.train.grad_accum_steps
-    steps_per_epoch = _steps_per_epoch(
-        math.ceil(len(loader) / accelerator.num_processes), accum, len(parts.train_examples), cfg
-    )
+        eval_loader = DataLoader(parts.eval_examples, batch_size=batch_size, collate_fn=parts.collate)
+    per_process_batches = math.ceil(len(loader) / accelerator.num_processes)
+    steps_per_epoch = _steps_per_epoch(per_process_batches, cfg.train.grad_accum_steps, len(parts.train_examples), cfg)
     total_steps = cfg.train.max_steps or max(1, math.ceil(steps_per_epoch * cfg.train.num_epochs))
-    warmup = cfg.train.warmup_steps or math.ceil(cfg.train.warmup_ratio * total_steps)
     optimizer = _optimizer(model, cfg)
     scheduler = get_scheduler(
         cfg.train.lr_scheduler,
         optimizer,
-        num_warmup_steps=warmup,
+        num_warmup_steps=cfg.train.warmup_steps or math.ceil(cfg.train.warmup_ratio * total_steps),
         num_training_steps=total_steps,
         scheduler_specific_kwargs={"min_lr_rate": 0.1} if "min_lr" in cfg.train.lr_scheduler else None,
     )
@@ -206,93 +208,109 @@ def train(cfg: RunConfig, model: Any, tokenizer: Any, parts: StageParts, resume_
     accelerator.register_save_state_pre_hook(_keep_trainable_weights)
     if accelerator.log_with:
         accelerator.init_trackers(cfg.name or cfg.stage, config=json.loads(cfg.model_dump_json()))
+    return _Setup(accelerator, model, optimizer, scheduler, loader, eval_loader, steps_per_epoch, total_steps)
 
-    global_step, start_epoch, skip_batches = 0, 0, 0
+
+def _train_window(s: _Setup, cfg: RunConfig, parts: StageParts, window: list[Batch], meter: _Meter) -> int:
+    """One optimizer step over an accumulation window; returns the tokens it processed."""
+    acc = s.accelerator
+    units = sum(float(parts.count_fn(b)) for b in window)
+    units = float(acc.reduce(torch.tensor(units, device=acc.device), "sum"))
+    window_loss, tokens, grad_norm = 0.0, 0, None
+    for batch in window:
+        with acc.accumulate(s.model):
+            loss_sum, metrics = parts.loss_fn(s.model, batch)
+            loss = loss_sum / max(units, 1.0)
+            # Accelerate/DeepSpeed divide by accum and DDP averages over processes; undo both so the
+            # gradient is exactly d(sum of window losses / window units).
+            acc.backward(loss * cfg.train.grad_accum_steps * acc.num_processes)
+            window_loss += float(loss.detach())
+            meter.add(metrics)
+            tokens += _batch_tokens(batch)
+            if acc.sync_gradients:
+                grad_norm = _clip(acc, s.model, cfg.train.max_grad_norm)
+                s.optimizer.step()
+                s.scheduler.step()
+                s.optimizer.zero_grad()
+    meter.add({"loss": float(acc.reduce(torch.tensor(window_loss, device=acc.device), "sum")), "grad_norm": grad_norm})
+    return tokens
+
+
+def train(cfg: RunConfig, model: Any, tokenizer: Any, parts: StageParts, resume_from: Path | None) -> TrainResult:
+    """Run the loop; returns where the final model was saved. The output dir must already exist."""
+    from tqdm.auto import tqdm
+
+    s = _setup(cfg, model, parts)
+    acc, out, accum = s.accelerator, Path(cfg.output_dir), cfg.train.grad_accum_steps
+    step, epoch, skip_batches = 0, 0, 0
     if resume_from is not None:
         state = json.loads((resume_from / "trainer_state.json").read_text())
-        accelerator.load_state(str(resume_from), strict=False)
-        global_step, start_epoch = state["global_step"], state["epoch"]
-        skip_batches = (global_step - start_epoch * steps_per_epoch) * accum
-        run_dir.truncate_log(out, global_step)
-        accelerator.print(f"resumed from {resume_from} at step {global_step}")
-
-    accelerator.print(
-        f"stage {cfg.stage}: {len(parts.train_examples)} examples, {steps_per_epoch} steps/epoch, {total_steps} steps, "
-        f"batch {cfg.train.per_device_batch_size} x accum {accum} x {accelerator.num_processes} process(es)"
+        acc.load_state(str(resume_from), strict=False)
+        step, epoch = state["global_step"], state["epoch"]
+        skip_batches = (step - epoch * s.steps_per_epoch) * accum
+        run_dir.truncate_log(out, step)
+        acc.print(f"resumed from {resume_from} at step {step}")
+    acc.print(
+        f"stage {cfg.stage}: {len(parts.train_examples)} examples, {s.steps_per_epoch} steps/epoch, "
+        f"{s.total_steps} steps, batch {cfg.train.per_device_batch_size} x accum {accum} x {acc.num_processes} "
+        "process(es)"
     )
-    bar = tqdm(
-        total=total_steps,
-        initial=global_step,
-        disable=not (cfg.logging.progress_bar and accelerator.is_main_process),
-        desc=cfg.stage,
-    )
-    meter, eval_metrics, last_metrics, grad_norm = _Meter(), {}, {}, None
-    start_time, window_tokens, tokens_since_log, time_since_log = time.time(), 0, 0, time.time()
-    steps_at_start = global_step
-    if eval_loader is not None and resume_from is None:  # step-0 eval: the baseline the curve starts from
-        _log_record(accelerator, out, {"step": 0, **evaluate(accelerator, model, eval_loader, parts)})
-    model.train()
-    epoch = start_epoch
-    while global_step < total_steps:
-        loader.set_epoch(epoch)
-        batches = accelerator.skip_first_batches(loader, skip_batches) if skip_batches else loader
+    show = cfg.logging.progress_bar and acc.is_main_process
+    bar = tqdm(total=s.total_steps, initial=step, disable=not show, desc=cfg.stage)
+    meter, eval_metrics, last_metrics = _Meter(), {}, {}
+    clock = _Clock(step)
+    if s.eval_loader is not None and resume_from is None:  # step-0 eval: the baseline the curve starts from
+        _log_record(acc, out, {"step": 0, **evaluate(acc, s.model, s.eval_loader, parts)})
+    s.model.train()
+    while step < s.total_steps:
+        s.loader.set_epoch(epoch)
+        iterator = iter(acc.skip_first_batches(s.loader, skip_batches) if skip_batches else s.loader)
         skip_batches = 0
-        iterator = iter(batches)
-        while global_step < total_steps and global_step - epoch * steps_per_epoch < steps_per_epoch:
-            window = [next(iterator) for _ in range(accum)]
-            units = sum(float(parts.count_fn(b)) for b in window)
-            units = float(accelerator.reduce(torch.tensor(units, device=accelerator.device), "sum"))
-            window_loss = 0.0
-            for batch in window:
-                with accelerator.accumulate(model):
-                    loss_sum, metrics = parts.loss_fn(model, batch)
-                    loss = loss_sum / max(units, 1.0)
-                    # Accelerate/DeepSpeed divide by accum and DDP averages over processes; undo both so
-                    # the gradient is exactly d(sum of window losses / window units).
-                    accelerator.backward(loss * accum * accelerator.num_processes)
-                    window_loss += float(loss.detach())
-                    meter.add(metrics)
-                    window_tokens += _batch_tokens(batch)
-                    if accelerator.sync_gradients:
-                        grad_norm = _clip(accelerator, model, cfg.train.max_grad_norm)
-                        optimizer.step()
-                        scheduler.step()
-                        optimizer.zero_grad()
-            global_step += 1
+        while step < s.total_steps and step - epoch * s.steps_per_epoch < s.steps_per_epoch:
+            clock.tokens += _train_window(s, cfg, parts, [next(iterator) for _ in range(accum)], meter)
+            step += 1
             bar.update(1)
-            loss_value = float(accelerator.reduce(torch.tensor(window_loss, device=accelerator.device), "sum"))
-            meter.add({"loss": loss_value, "grad_norm": grad_norm})
-            tokens_since_log += window_tokens
-            window_tokens = 0
-            if global_step % cfg.logging.logging_steps == 0 or global_step == total_steps:
-                now = time.time()
+            if step % cfg.logging.logging_steps == 0 or step == s.total_steps:
                 last_metrics = meter.pop()
-                elapsed = now - start_time
-                done = global_step - steps_at_start
                 record = {
-                    "step": global_step,
-                    "epoch": round(global_step / steps_per_epoch, 4),
+                    "step": step,
+                    "epoch": round(step / s.steps_per_epoch, 4),
                     **last_metrics,
-                    "lr": scheduler.get_last_lr()[0],
-                    "tokens_per_s": tokens_since_log * accelerator.num_processes / max(now - time_since_log, 1e-9),
-                    "elapsed_s": round(elapsed, 2),
-                    "eta_s": round(elapsed / max(done, 1) * (total_steps - global_step), 2),
+                    "lr": s.scheduler.get_last_lr()[0],
+                    **clock.lap(step, s.total_steps, acc.num_processes),
                 }
-                tokens_since_log, time_since_log = 0, now
-                _log_record(accelerator, out, record)
+                _log_record(acc, out, record)
                 bar.set_postfix(loss=f"{last_metrics.get('loss', float('nan')):.4f}")
-            if eval_loader is not None and cfg.train.eval_steps and global_step % cfg.train.eval_steps == 0:
-                eval_metrics = evaluate(accelerator, model, eval_loader, parts)
-                _log_record(accelerator, out, {"step": global_step, **eval_metrics})
-            if cfg.train.save_steps and global_step % cfg.train.save_steps == 0 and global_step < total_steps:
-                _save_checkpoint(accelerator, cfg, out, global_step, epoch)
-        if global_step - epoch * steps_per_epoch >= steps_per_epoch:
+            if s.eval_loader is not None and cfg.train.eval_steps and step % cfg.train.eval_steps == 0:
+                eval_metrics = evaluate(acc, s.model, s.eval_loader, parts)
+                _log_record(acc, out, {"step": step, **eval_metrics})
+            if cfg.train.save_steps and step % cfg.train.save_steps == 0 and step < s.total_steps:
+                _save_checkpoint(acc, cfg, out, step, epoch)
+        if step - epoch * s.steps_per_epoch >= s.steps_per_epoch:
             epoch += 1
     bar.close()
-    if eval_loader is not None and not (cfg.train.eval_steps and global_step % cfg.train.eval_steps == 0):
-        eval_metrics = evaluate(accelerator, model, eval_loader, parts)
-        _log_record(accelerator, out, {"step": global_step, **eval_metrics})
-    return _finish(accelerator, cfg, model, tokenizer, out, global_step, last_metrics, eval_metrics)
+    if s.eval_loader is not None and not (cfg.train.eval_steps and step % cfg.train.eval_steps == 0):
+        eval_metrics = evaluate(acc, s.model, s.eval_loader, parts)
+        _log_record(acc, out, {"step": step, **eval_metrics})
+    return _finish(acc, cfg, s.model, tokenizer, out, step, last_metrics, eval_metrics)
+
+
+class _Clock:
+    """Throughput since the last log line, elapsed time and ETA."""
+
+    def __init__(self, start_step: int) -> None:
+        self.start, self.last, self.start_step, self.tokens = time.time(), time.time(), start_step, 0
+
+    def lap(self, step: int, total_steps: int, num_processes: int) -> dict[str, float]:
+        now = time.time()
+        elapsed = now - self.start
+        out = {
+            "tokens_per_s": self.tokens * num_processes / max(now - self.last, 1e-9),
+            "elapsed_s": round(elapsed, 2),
+            "eta_s": round(elapsed / max(step - self.start_step, 1) * (total_steps - step), 2),
+        }
+        self.last, self.tokens = now, 0
+        return out
 
 
 def _clip(accelerator: Any, model: Any, max_norm: float | None) -> float | None:

@@ -1,9 +1,9 @@
 """Named chat templates for tokenizers that ship none (``model.template``).
 
 The tokenizer's own template is preferred; these exist so base models can be fine-tuned into chat
-models. Each is a Jinja template in the Hugging Face ``chat_template`` format (rendered with trim_blocks, so a newline right after a
-block tag is written as ``{{ '\\n' }}``) plus its end-of-turn
-string (what generation stops on and what closes every trained assistant turn).
+models. Each is a Jinja template in the Hugging Face ``chat_template`` format plus its end-of-turn
+string (what generation stops on and what closes every trained assistant turn). transformers renders
+with ``trim_blocks``, so a newline right after a block tag is written as an expression.
 """
 
 from __future__ import annotations
