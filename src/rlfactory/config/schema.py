@@ -55,7 +55,9 @@ class ModelConfig(Section):
         "lora", description="What is trained: LoRA adapters, all weights, or only the last layers (freeze)."
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weight dtype. auto: bfloat16 on a GPU that supports it, else float32."
+        "auto",
+        description="Weight dtype. auto: bfloat16 for LoRA on a GPU that supports it, else float32 "
+        "(full/freeze keep fp32 master weights and train under bf16 autocast on GPU).",
     )
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = Field(
         "sdpa", description="Attention kernel passed to transformers."
@@ -161,6 +163,12 @@ class LoggingConfig(Section):
     )
     plot_loss: bool = Field(True, description="Save loss.png in the output dir at the end.")
     progress_bar: bool = Field(True, description="Show a progress bar.")
+    rollout_trace_steps: int | None = Field(
+        10,
+        ge=1,
+        description="ppo/grpo: every N steps write rollouts/step_XXXXX.jsonl (prompts, completions, token counts, "
+        "rewards per component, advantages). null: never.",
+    )
 
     _as_list_report = field_validator("report_to", mode="before")(_as_list)
 
@@ -217,37 +225,124 @@ class ORPOConfig(Section):
 
 
 class RolloutConfig(Section):
-    """Generation of samples for the online stages."""
+    """Generation of samples for the online stages (ppo, grpo): how many, how long, how sampled."""
 
-    backend: Literal["hf", "vllm"] = Field("hf", description="Generation backend.")
-    num_samples: int = Field(4, ge=1, description="Samples per prompt (the group size for grpo).")
-    prompts_per_step: int = Field(8, ge=1, description="Prompts per RL step.")
-    max_prompt_len: int = Field(256, ge=1, description="Prompt tokens (longer prompts are dropped).")
-    max_response_len: int = Field(128, ge=1, description="Generated tokens per sample.")
-    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling.")
+    backend: Literal["hf"] = Field(
+        "hf", description="Generation backend: hf (transformers generate, batched, KV cache). vllm is planned."
+    )
+    prompts_per_step: int = Field(8, ge=1, description="Prompts per RL step (the algorithmic batch, in prompts).")
+    num_samples: int = Field(
+        4, ge=1, description="Samples per prompt (the group size for grpo); a step trains on prompts_per_step x this."
+    )
+    max_prompt_len: int = Field(
+        256, ge=1, description="Prompts longer than this many tokens are dropped (with a warning) at load time."
+    )
+    max_response_len: int = Field(128, ge=1, description="Generated tokens per sample (longer ones are truncated).")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature of the rollouts.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: smallest token set of mass top_p.")
     top_k: int = Field(0, ge=0, description="Top-k sampling (0: off).")
+    generation_batch_size: int = Field(
+        64, ge=1, description="Sequences generated at once per device (memory-bound; also used for validation)."
+    )
+    mask_truncated: bool = Field(
+        False,
+        description="Exclude completions cut at max_response_len from the policy loss (DAPO overlong filtering); "
+        "they still count in the group statistics.",
+    )
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO dynamic sampling: drop groups whose samples all got the same reward (zero advantage) and "
+        "sample more prompts to refill the step, up to max_sampling_rounds.",
+    )
+    max_sampling_rounds: int = Field(
+        3,
+        ge=1,
+        description="Dynamic sampling: at most this many generation rounds per step (then train on what is kept).",
+    )
 
 
 class RewardConfig(Section):
-    """Where rewards come from: functions, a reward model, and their weights."""
+    """Where rewards come from: functions and/or a reward model, combined with weights."""
 
     functions: dict[str, float] = Field(
-        default_factory=dict, description="Reward functions (registry names or file.py:function) -> weight."
+        default_factory=dict,
+        description="Reward functions -> weight. A name from the registry (answer_match, math_match, format_regex, "
+        "think_format, json_format, length_penalty) or `path/to/file.py:function`, called as "
+        "fn(prompt, completion, answer, example) -> float | dict (sync or async).",
+    )
+    function_args: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Extra keyword arguments per reward function, e.g. {format_regex: {pattern: '...'}}.",
     )
     reward_model: str | None = Field(None, description="Directory of a reward model trained by stage rm.")
     reward_model_weight: float = Field(1.0, description="Weight of the reward model's score.")
+    reward_model_batch_size: int = Field(32, ge=1, description="Sequences scored at once by the reward model.")
+    timeout_s: float = Field(
+        10.0, gt=0, description="A reward function call slower than this counts as failed (gets failure_score)."
+    )
+    failure_score: float = Field(
+        0.0, description="Score of a call that raised or timed out (logged as reward/<name>/failures; never a crash)."
+    )
+    num_workers: int = Field(8, ge=1, description="Reward function calls run concurrently (threads).")
 
 
 class AlgorithmConfig(Section):
-    """Online RL algorithm: estimator, policy loss, aggregation and KL, each chosen by name."""
+    """Online RL algorithm: each axis chosen by name from a registry (rlfactory.algos)."""
 
-    adv_estimator: str = Field("grpo", description="Advantage estimator (gae, grpo, rloo, ...).")
-    policy_loss: str = Field("ppo_clip", description="Policy loss (ppo_clip, gspo, cispo).")
-    loss_agg: str = Field("token-mean", description="Loss aggregation mode.")
-    kl_estimator: str = Field("k3", description="KL estimator (k1, k2, k3).")
-    kl_loss_coef: float = Field(0.0, ge=0.0, description="KL term in the loss (0: off).")
-    kl_in_reward_coef: float = Field(0.0, ge=0.0, description="KL penalty in the reward (0: off).")
+    adv_estimator: str | None = Field(
+        None,
+        description="Advantage estimator: gae (needs a critic: stage ppo), grpo, rloo, reinforce_plus_plus, "
+        "reinforce_plus_plus_baseline. Default: gae for ppo, grpo for grpo.",
+    )
+    grpo_scale: Literal["group", "batch", "none"] = Field(
+        "group", description="grpo estimator: divide by the group std (GRPO), the batch std, or not at all (Dr.GRPO)."
+    )
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount factor (gae, reinforce_plus_plus).")
+    lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda.")
+    policy_loss: str = Field("ppo_clip", description="Policy loss: ppo_clip, gspo, cispo.")
+    clip_low: float | None = Field(
+        None, ge=0.0, description="Ratio clip below 1 - clip_low (null: the loss's default, 0.2 for ppo_clip)."
+    )
+    clip_high: float | None = Field(
+        None, ge=0.0, description="Ratio clip above 1 + clip_high (null: the loss's default; DAPO clip-higher: 0.28)."
+    )
+    clip_c: float | None = Field(None, gt=1.0, description="ppo_clip dual-clip constant for negative advantages.")
+    loss_agg: str = Field(
+        "token-mean", description="Loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm."
+    )
+    ppo_epochs: int = Field(
+        1, ge=1, description="Passes over each rollout batch (GRPO's num_iterations); > 1 reuses the old log-probs."
+    )
+    num_mini_batches: int = Field(
+        1, ge=1, description="Optimizer steps per pass: the rollout batch is split into this many mini-batches."
+    )
+    kl_loss_coef: float = Field(0.0, ge=0.0, description="Weight of the KL(policy || reference) loss term (0: off).")
+    kl_loss_estimator: str = Field("k3", description="KL estimator of the loss term: k1, k2, k3.")
+    kl_in_reward_coef: float = Field(
+        0.0, ge=0.0, description="Per-token KL penalty subtracted from the reward (0: off); initial value if adaptive."
+    )
+    kl_reward_estimator: str = Field("k1", description="KL estimator of the reward penalty: k1, k2, k3.")
+    kl_controller: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="KL-in-reward coefficient: fixed, or adapted towards kl_target (Ziegler et al. 2019)."
+    )
+    kl_target: float = Field(6.0, gt=0.0, description="Adaptive KL controller: target KL per sequence.")
+    kl_horizon: float = Field(10000.0, gt=0.0, description="Adaptive KL controller: horizon in samples.")
+    entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus weight (0: off; entropy is logged anyway).")
+    value_clip: float | None = Field(
+        0.2, gt=0.0, description="ppo: clip range of the value loss around the old values (null: plain MSE)."
+    )
+
+
+class CriticConfig(Section):
+    """The PPO critic: a separate value model (trunk + scalar head), trained by the same fine-tuning method."""
+
+    model_path: str | None = Field(
+        None, description="Model the critic starts from (null: the policy's starting model)."
+    )
+    learning_rate: float = Field(1e-4, gt=0, description="Critic learning rate (constant after warmup).")
+    warmup_steps: int = Field(
+        0, ge=0, description="RL steps at the start that train only the critic (the policy waits for sane values)."
+    )
 
 
 STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
@@ -256,7 +351,7 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "dpo": ("dpo",),
     "kto": ("kto",),
     "orpo": ("orpo",),
-    "ppo": ("rollout", "reward", "algorithm"),
+    "ppo": ("rollout", "reward", "algorithm", "critic"),
     "grpo": ("rollout", "reward", "algorithm"),
 }
 SECTION_CLASSES: dict[str, type[Section]] = {
@@ -267,6 +362,7 @@ SECTION_CLASSES: dict[str, type[Section]] = {
     "rollout": RolloutConfig,
     "reward": RewardConfig,
     "algorithm": AlgorithmConfig,
+    "critic": CriticConfig,
 }
 
 
@@ -295,6 +391,7 @@ class RunConfig(Section):
     rollout: RolloutConfig | None = Field(None, description="Stages ppo and grpo only.")
     reward: RewardConfig | None = Field(None, description="Stages ppo and grpo only.")
     algorithm: AlgorithmConfig | None = Field(None, description="Stages ppo and grpo only.")
+    critic: CriticConfig | None = Field(None, description="Stage ppo only.")
 
     @model_validator(mode="after")
     def _stage_sections(self) -> RunConfig:
@@ -327,9 +424,27 @@ class RunConfig(Section):
                 )
             if self.stage == "grpo" and self.rollout.num_samples < 2:
                 raise ValueError("grpo compares samples of the same prompt: rollout.num_samples must be >= 2")
+            self._online_rules()
         if self.dpo is not None and self.dpo.ref_model and self.dpo.loss_type in ("simpo",):
             raise ValueError(f"dpo.loss_type '{self.dpo.loss_type}' is reference-free: remove dpo.ref_model")
         return self
+
+    def _online_rules(self) -> None:
+        """ppo/grpo: the estimator default per stage; online stages batch by rollout, not by accumulation."""
+        assert self.algorithm is not None and self.rollout is not None
+        if self.algorithm.adv_estimator is None:
+            self.algorithm.adv_estimator = "gae" if self.stage == "ppo" else "grpo"
+        if self.train.grad_accum_steps != 1:
+            raise ValueError(
+                f"stage {self.stage} does not use train.grad_accum_steps: a rollout batch is split into "
+                "algorithm.num_mini_batches optimizer steps of train.per_device_batch_size micro-batches"
+            )
+        batch = self.rollout.prompts_per_step * self.rollout.num_samples
+        if self.algorithm.num_mini_batches > batch:
+            raise ValueError(
+                f"algorithm.num_mini_batches ({self.algorithm.num_mini_batches}) exceeds the rollout batch "
+                f"({batch} = rollout.prompts_per_step x rollout.num_samples)"
+            )
 
 
 class PipelineConfig(Section):

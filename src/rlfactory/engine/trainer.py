@@ -12,6 +12,7 @@ gradient as batch 8 x accumulation 1.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
@@ -66,6 +67,9 @@ def build_accelerator(cfg: RunConfig) -> Any:
     from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
 
     trackers = [t for t in cfg.logging.report_to if t != "none"]
+    for tracker in trackers:
+        if importlib.util.find_spec("tensorboard" if tracker == "tensorboard" else tracker) is None:
+            raise UserError(f"logging.report_to: {tracker} is not installed; `pip install {tracker}` or remove it")
     plugin = None
     if cfg.train.deepspeed:
         if not Path(cfg.train.deepspeed).is_file():
@@ -253,7 +257,7 @@ def train(cfg: RunConfig, model: Any, tokenizer: Any, parts: StageParts, resume_
     acc.print(
         f"stage {cfg.stage}: {len(parts.train_examples)} examples, {s.steps_per_epoch} steps/epoch, "
         f"{s.total_steps} steps, batch {cfg.train.per_device_batch_size} x accum {accum} x {acc.num_processes} "
-        "process(es)"
+        f"process(es), mixed precision {acc.mixed_precision}"
     )
     show = cfg.logging.progress_bar and acc.is_main_process
     bar = tqdm(total=s.total_steps, initial=step, disable=not show, desc=cfg.stage)

@@ -13,13 +13,24 @@ log = logging.getLogger(__name__)
 
 
 def _check_exists(path: str) -> None:
-    """A local path must exist; anything else must be a hub id already in the local cache."""
-    looks_local = path.startswith((".", "/", "~")) or Path(path).exists() or path.count("/") != 1
-    if looks_local and not Path(path).expanduser().is_dir():
-        raise UserError(
-            f"model path '{path}' does not exist; set model.name_or_path to a model directory or a hub id "
-            "(e.g. Qwen/Qwen2.5-0.5B-Instruct)"
-        )
+    """A path must be a model directory; a hub id must be cached when offline (HF_HUB_OFFLINE=1)."""
+    import os
+
+    if Path(path).expanduser().is_dir():
+        return
+    is_hub_id = not path.startswith((".", "/", "~")) and path.count("/") <= 1
+    if is_hub_id and os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false"):
+        return  # may be downloaded
+    if is_hub_id:
+        from huggingface_hub import try_to_load_from_cache
+
+        if isinstance(try_to_load_from_cache(path, "config.json"), str):
+            return
+    raise UserError(
+        f"model path '{path}' does not exist (not a local directory"
+        + (" and not in the local Hugging Face cache" if is_hub_id else "")
+        + "); set model.name_or_path to a model directory or a cached hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct)"
+    )
 
 
 def load_tokenizer(cfg: ModelConfig, padding_side: str = "right") -> Any:
@@ -58,11 +69,13 @@ def load_tokenizer(cfg: ModelConfig, padding_side: str = "right") -> Any:
     return tokenizer
 
 
-def resolve_dtype(name: str) -> Any:
+def resolve_dtype(name: str, finetuning: str = "lora") -> Any:
+    """``auto``: bf16 weights for LoRA on a bf16 GPU (the frozen base needs no fp32 copy); fp32 master
+    weights otherwise, trained under bf16 autocast on GPU (pure-bf16 AdamW updates lose small steps)."""
     import torch
 
     if name == "auto":
-        use_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        use_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported() and finetuning == "lora"
         return torch.bfloat16 if use_bf16 else torch.float32
     return getattr(torch, name)
 
@@ -76,7 +89,7 @@ def load_model(cfg: ModelConfig, lora: LoraConfig, freeze: FreezeConfig, trainab
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path,
-            dtype=resolve_dtype(cfg.dtype),
+            dtype=resolve_dtype(cfg.dtype, cfg.finetuning if trainable else "lora"),
             attn_implementation=cfg.attn_implementation,
             trust_remote_code=cfg.trust_remote_code,
         )
