@@ -63,6 +63,11 @@ class ModelConfig(Section):
         "sdpa", description="Attention kernel passed to transformers."
     )
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory (recompute activations).")
+    liger_kernel: bool | None = Field(
+        None,
+        description="Liger's fused kernels (fused linear cross-entropy: no full-vocabulary logits in memory, "
+        "RMSNorm, SwiGLU, RoPE). null: on for full/freeze fine-tuning on CUDA when liger-kernel is installed.",
+    )
     trust_remote_code: bool = Field(False, description="Allow custom model code shipped with the checkpoint.")
 
     _as_list_adapters = field_validator("adapter_paths", mode="before")(_as_list)
@@ -108,7 +113,9 @@ class DataConfig(Section):
     )
     cutoff_len: int = Field(1024, ge=8, description="Maximum tokens per example (prompt + response).")
     truncation: Literal["right", "drop"] = Field(
-        "right", description="Examples longer than cutoff_len: cut at the right end, or drop them."
+        "right",
+        description="Examples longer than cutoff_len: cut at the right end, or drop them. Preference stages "
+        "(rm, dpo, kto, orpo) never cut a response: `right` cuts the prompt from the left instead.",
     )
     train_on: Literal["assistant", "last_assistant", "all"] = Field(
         "assistant",

@@ -41,7 +41,7 @@ class StageParts:
     train_examples: list[dict[str, Any]]
     collate: Callable[[list[dict[str, Any]]], Batch]
     loss_fn: Callable[[Any, Batch], tuple[torch.Tensor, dict[str, float]]]  # (loss sum, metrics)
-    count_fn: Callable[[Batch], float]  # loss units in a batch (tokens, pairs, ...)
+    count_fn: Callable[[Batch], Any]  # loss units in a batch (tokens, pairs, ...): a number or a 0-d tensor
     eval_examples: list[dict[str, Any]] | None = None
     extra_state: dict[str, Any] = field(default_factory=dict)
 
@@ -100,7 +100,9 @@ def _optimizer(model: Any, cfg: RunConfig) -> torch.optim.Optimizer:
         raise UserError("no trainable parameters: check model.finetuning and the lora/freeze sections")
     groups = [{"params": decay, "weight_decay": cfg.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     betas = (cfg.train.adam_beta1, cfg.train.adam_beta2)
-    return torch.optim.AdamW(groups, lr=cfg.train.learning_rate, betas=betas)
+    # fused AdamW (one kernel for all tensors) on CUDA, as transformers' Trainer defaults to
+    fused = torch.cuda.is_available() and all(p.is_floating_point() for g in groups for p in g["params"])
+    return torch.optim.AdamW(groups, lr=cfg.train.learning_rate, betas=betas, fused=fused or None)
 
 
 def _keep_trainable_weights(models: list[Any], weights: list[dict], _output_dir: str) -> None:
@@ -111,29 +113,31 @@ def _keep_trainable_weights(models: list[Any], weights: list[dict], _output_dir:
             del state[key]
 
 
-def _batch_tokens(batch: Batch) -> int:
+def _batch_tokens(batch: Batch) -> Any:
     mask = batch.get("attention_mask")
-    return int(mask.sum()) if mask is not None else int(batch["input_ids"].numel())
+    return mask.sum() if mask is not None else batch["input_ids"].numel()
 
 
 class _Meter:
-    """Averages metrics between two log lines."""
+    """Averages metrics between two log lines. Tensor values stay on the device until `pop`, so the
+    step loop never waits for the GPU (a `.item()` between forward and backward stalls the launch queue)."""
 
     def __init__(self) -> None:
-        self.sums: dict[str, float] = defaultdict(float)
+        self.sums: dict[str, Any] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)
 
-    def add(self, metrics: dict[str, float]) -> None:
+    def add(self, metrics: dict[str, Any]) -> None:
         for key, value in metrics.items():
-            if value is not None and not (isinstance(value, float) and math.isnan(value)):
-                self.sums[key] += float(value)
-                self.counts[key] += 1
+            if value is None:
+                continue
+            self.sums[key] = self.sums[key] + (value.detach().float() if torch.is_tensor(value) else float(value))
+            self.counts[key] += 1
 
     def pop(self) -> dict[str, float]:
-        out = {k: self.sums[k] / self.counts[k] for k in self.sums}
+        out = {k: float(self.sums[k]) / self.counts[k] for k in self.sums}
         self.sums.clear()
         self.counts.clear()
-        return out
+        return {k: v for k, v in out.items() if not math.isnan(v)}
 
 
 def evaluate(accelerator: Any, model: Any, loader: Any, parts: StageParts) -> dict[str, float]:
@@ -144,7 +148,8 @@ def evaluate(accelerator: Any, model: Any, loader: Any, parts: StageParts) -> di
     meter = _Meter()
     with torch.no_grad():
         for batch in loader:
-            loss_sum, metrics = parts.loss_fn(model, batch)
+            with accelerator.autocast():
+                loss_sum, metrics = parts.loss_fn(model, batch)
             total_loss += loss_sum.detach().float()
             total_count += parts.count_fn(batch)
             meter.add(metrics)
@@ -209,26 +214,30 @@ def _setup(cfg: RunConfig, model: Any, parts: StageParts) -> _Setup:
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     if eval_loader is not None:
         eval_loader = accelerator.prepare(eval_loader)
+    # Accelerate's bf16 wrapper copies every output to fp32 -- with a 150k vocabulary that is a 5 GB logits
+    # tensor per micro-batch. Remove it and autocast the loss ourselves (`accelerator.autocast()` below).
+    accelerator.unwrap_model(model, keep_fp32_wrapper=False)
     accelerator.register_save_state_pre_hook(_keep_trainable_weights)
     if accelerator.log_with:
         accelerator.init_trackers(cfg.name or cfg.stage, config=json.loads(cfg.model_dump_json()))
     return _Setup(accelerator, model, optimizer, scheduler, loader, eval_loader, steps_per_epoch, total_steps)
 
 
-def _train_window(s: _Setup, cfg: RunConfig, parts: StageParts, window: list[Batch], meter: _Meter) -> int:
+def _train_window(s: _Setup, cfg: RunConfig, parts: StageParts, window: list[Batch], meter: _Meter) -> Any:
     """One optimizer step over an accumulation window; returns the tokens it processed."""
     acc = s.accelerator
-    units = sum(float(parts.count_fn(b)) for b in window)
-    units = float(acc.reduce(torch.tensor(units, device=acc.device), "sum"))
-    window_loss, tokens, grad_norm = 0.0, 0, None
+    units = sum(torch.as_tensor(parts.count_fn(b), dtype=torch.float32, device=acc.device) for b in window)
+    units = acc.reduce(units, "sum").clamp(min=1.0)
+    window_loss, tokens, grad_norm = torch.zeros((), device=acc.device), 0, None
     for batch in window:
         with acc.accumulate(s.model):
-            loss_sum, metrics = parts.loss_fn(s.model, batch)
-            loss = loss_sum / max(units, 1.0)
+            with acc.autocast():
+                loss_sum, metrics = parts.loss_fn(s.model, batch)
+            loss = loss_sum / units
             # Accelerate/DeepSpeed divide by accum and DDP averages over processes; undo both so the
             # gradient is exactly d(sum of window losses / window units).
             acc.backward(loss * cfg.train.grad_accum_steps * acc.num_processes)
-            window_loss += float(loss.detach())
+            window_loss += loss.detach().float()
             meter.add(metrics)
             tokens += _batch_tokens(batch)
             if acc.sync_gradients:
@@ -236,7 +245,7 @@ def _train_window(s: _Setup, cfg: RunConfig, parts: StageParts, window: list[Bat
                 s.optimizer.step()
                 s.scheduler.step()
                 s.optimizer.zero_grad()
-    meter.add({"loss": float(acc.reduce(torch.tensor(window_loss, device=acc.device), "sum")), "grad_norm": grad_norm})
+    meter.add({"loss": acc.reduce(window_loss, "sum"), "grad_norm": grad_norm})
     return tokens
 
 
@@ -309,21 +318,21 @@ class _Clock:
         now = time.time()
         elapsed = now - self.start
         out = {
-            "tokens_per_s": self.tokens * num_processes / max(now - self.last, 1e-9),
-            "elapsed_s": round(elapsed, 2),
+            "tokens_per_s": float(self.tokens) * num_processes / max(now - self.last, 1e-9),
+            "elapsed_s": round(elapsed, 4),
             "eta_s": round(elapsed / max(step - self.start_step, 1) * (total_steps - step), 2),
         }
         self.last, self.tokens = now, 0
         return out
 
 
-def _clip(accelerator: Any, model: Any, max_norm: float | None) -> float | None:
+def _clip(accelerator: Any, model: Any, max_norm: float | None) -> Any:
     if max_norm is not None:
         norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
     else:
         grads = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
         norm = torch.stack(grads).norm() if grads else None
-    return None if norm is None else float(norm)
+    return norm  # a tensor: read at log time, not here
 
 
 def _log_record(accelerator: Any, out: Path, record: dict[str, Any]) -> None:

@@ -97,6 +97,8 @@ def load_model(cfg: ModelConfig, lora: LoraConfig, freeze: FreezeConfig, trainab
         raise UserError(f"cannot load model '{path}': {str(exc).splitlines()[0]}") from None
     for adapter in cfg.adapter_paths:
         model = merge_adapter(model, adapter)
+    if trainable:
+        maybe_apply_liger(model, cfg.liger_kernel, cfg.finetuning)
     if not trainable:
         model.requires_grad_(False)
         return model
@@ -113,6 +115,30 @@ def load_model(cfg: ModelConfig, lora: LoraConfig, freeze: FreezeConfig, trainab
         "trainable params: %s / %s (%.2f%%)", f"{trainable_params:,}", f"{total:,}", 100 * trainable_params / total
     )
     return model
+
+
+def maybe_apply_liger(model: Any, enabled: bool | None, finetuning: str = "full") -> bool:
+    """Patch the model instance with Liger kernels (TRL's `use_liger_kernel` does the same).
+
+    Auto (None): on for full/freeze fine-tuning on CUDA when installed. Not for LoRA: measured on an
+    H200 (docs/BENCHMARKS.md) Liger made LoRA SFT of a 0.5B model slower, in TRL as well.
+    """
+    import importlib.util
+
+    import torch
+
+    installed = importlib.util.find_spec("liger_kernel") is not None
+    if enabled is None:
+        enabled = installed and torch.cuda.is_available() and finetuning != "lora"
+    if not enabled:
+        return False
+    if not installed:
+        raise UserError("model.liger_kernel: true needs the liger-kernel package (`pip install liger-kernel`)")
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    _apply_liger_kernel_to_instance(model=model)
+    log.info("Liger kernels applied (fused linear cross-entropy, RMSNorm, SwiGLU, RoPE)")
+    return True
 
 
 def merge_adapter(model: Any, adapter: str) -> Any:

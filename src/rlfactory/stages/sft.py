@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from rlfactory.algos.common import shift_for_causal_lm, token_logprobs
 from rlfactory.config.schema import RunConfig
 from rlfactory.engine.trainer import Batch, StageParts, train
 from rlfactory.errors import UserError
@@ -65,6 +64,8 @@ def collate_padded(pad_id: int):
             ids[row, :n] = torch.tensor(item["input_ids"])
             labels[row, :n] = torch.tensor(item["labels"])
             mask[row, :n] = 1
+        if bool(mask.all()):  # no padding: without a mask, sdpa takes its fast causal (flash) path
+            return {"input_ids": ids, "labels": labels}
         return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
     return collate
@@ -83,18 +84,19 @@ def collate_packed(items: list[dict[str, list[int]]]) -> Batch:
 
 
 def nll_sum(model: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-    """Summed next-token NLL over labelled tokens (the engine divides by the window's token count)."""
+    """Summed next-token NLL over labelled tokens (the engine divides by the window's token count).
+
+    The model computes it (``labels`` + ``num_items_in_batch=1`` makes transformers' loss a sum), so a
+    Liger-patched model uses its fused linear cross-entropy and never materialises the logits.
+    """
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
-    logits = model(**inputs, use_cache=False).logits
-    targets, mask = shift_for_causal_lm(batch["labels"])
-    logps = token_logprobs(logits, targets)
-    n_tokens = mask.sum()
-    loss_sum = -(logps * mask).sum()
-    return loss_sum, {"nll_per_token": float(loss_sum.detach() / n_tokens.clamp(min=1))}
+    loss_sum = model(**inputs, labels=batch["labels"], num_items_in_batch=1, use_cache=False).loss
+    n_tokens = count_tokens(batch).clamp(min=1)
+    return loss_sum, {"nll_per_token": loss_sum.detach() / n_tokens}
 
 
-def count_tokens(batch: Batch) -> float:
-    return float((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+def count_tokens(batch: Batch) -> torch.Tensor:
+    return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
 
 
 def run(cfg: RunConfig) -> dict[str, Any]:
