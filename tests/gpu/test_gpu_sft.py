@@ -17,9 +17,10 @@ def _cfg(tmp_path: Path, finetuning: str, packing: bool) -> dict:
         "output_dir": str(tmp_path / f"{finetuning}-{packing}"),
         "model": {"name_or_path": str(TINY_MODEL), "finetuning": finetuning, "dtype": "auto"},
         "data": {"dataset": "arith_sft", "eval_dataset": "arith_sft_eval", "dataset_dir": str(DATA_DIR),
-                 "max_samples": 512, "packing": packing},
-        "train": {"max_steps": 30, "per_device_batch_size": 16, "learning_rate": 2e-3 if finetuning == "lora" else 5e-4,
-                  "eval_steps": 15, "mixed_precision": "auto"},
+                 "max_samples": 2000, "packing": packing},
+        "lora": {"r": 8, "alpha": 16},
+        "train": {"num_epochs": 2, "per_device_batch_size": 16, "learning_rate": 2e-3 if finetuning == "lora" else 2e-4,
+                  "warmup_ratio": 0.1, "eval_steps": 50, "mixed_precision": "auto"},
         "logging": {"progress_bar": False, "plot_loss": False},
     }
 
@@ -31,7 +32,7 @@ def test_bf16_sft_learns_on_gpu(tmp_path: Path, finetuning: str, packing: bool):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "mixed precision bf16" in result.stdout
     evals = [r["eval_loss"] for r in read_log(cfg["output_dir"]) if "eval_loss" in r]
-    assert evals[-1] < evals[0], evals
+    assert evals[-1] < evals[0] * 0.98, evals
     if finetuning == "full":
         from safetensors import safe_open
 
