@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+from tests.conftest import TINY_MODEL, run_cli, write_yaml
 
 from rlfactory.engine.run_dir import read_log
-from tests.conftest import TINY_MODEL, run_cli, write_yaml
 
 LOG_KEYS = {"step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s", "eta_s"}
 

@@ -2,8 +2,10 @@
 
 Every entry takes per-sequence log-probabilities (already reduced over the completion tokens, summed or
 length-averaged as each docstring says) and returns per-example losses plus detached rewards for logging;
-the stage reduces them (usually ``losses.mean()``). Traits: ``reference_free`` (no reference model needed)
-and ``paired`` (chosen/rejected pairs vs. KTO's unpaired desirable/undesirable examples).
+the stage reduces them (usually ``losses.mean()``). Traits: ``reference_free`` (no reference model needed),
+``paired`` (chosen/rejected pairs vs. KTO's unpaired desirable/undesirable examples), ``length_normalised``
+(expects logps averaged over completion tokens instead of summed) and ``own_stage`` (the objective of a
+stage of its own, e.g. ``orpo`` adds an NLL term, so it is not a ``dpo.loss_type``).
 
 Paired entries share one call signature::
 
@@ -47,7 +49,7 @@ def _smoothed_sigmoid(logits: Tensor, label_smoothing: float) -> Tensor:
     return losses
 
 
-@PREFERENCE_LOSSES.register("sigmoid", reference_free=False, paired=True)
+@PREFERENCE_LOSSES.register("sigmoid", reference_free=False, paired=True, length_normalised=False)
 def sigmoid(
     policy_chosen_logps: Tensor,
     policy_rejected_logps: Tensor,
@@ -75,7 +77,7 @@ def sigmoid(
     )
 
 
-@PREFERENCE_LOSSES.register("robust", reference_free=False, paired=True)
+@PREFERENCE_LOSSES.register("robust", reference_free=False, paired=True, length_normalised=False)
 def robust(
     policy_chosen_logps: Tensor,
     policy_rejected_logps: Tensor,
@@ -106,7 +108,7 @@ def robust(
     )
 
 
-@PREFERENCE_LOSSES.register("ipo", reference_free=False, paired=True)
+@PREFERENCE_LOSSES.register("ipo", reference_free=False, paired=True, length_normalised=True)
 def ipo(
     policy_chosen_logps: Tensor,
     policy_rejected_logps: Tensor,
@@ -132,7 +134,7 @@ def ipo(
     )
 
 
-@PREFERENCE_LOSSES.register("hinge", reference_free=False, paired=True)
+@PREFERENCE_LOSSES.register("hinge", reference_free=False, paired=True, length_normalised=False)
 def hinge(
     policy_chosen_logps: Tensor,
     policy_rejected_logps: Tensor,
@@ -157,7 +159,7 @@ def hinge(
     )
 
 
-@PREFERENCE_LOSSES.register("simpo", reference_free=True, paired=True)
+@PREFERENCE_LOSSES.register("simpo", reference_free=True, paired=True, length_normalised=True)
 def simpo(
     policy_chosen_logps: Tensor,
     policy_rejected_logps: Tensor,
@@ -190,7 +192,7 @@ def _log1mexp(x: Tensor) -> Tensor:
     return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
 
 
-@PREFERENCE_LOSSES.register("orpo", reference_free=True, paired=True)
+@PREFERENCE_LOSSES.register("orpo", reference_free=True, paired=True, length_normalised=True, own_stage="orpo")
 def orpo(
     policy_chosen_logps: Tensor,
     policy_rejected_logps: Tensor,
@@ -225,7 +227,7 @@ def orpo(
     )
 
 
-@PREFERENCE_LOSSES.register("kto", reference_free=False, paired=False)
+@PREFERENCE_LOSSES.register("kto", reference_free=False, paired=False, length_normalised=False, own_stage="kto")
 def kto(
     policy_logps: Tensor,
     ref_logps: Tensor,

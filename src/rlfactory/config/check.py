@@ -7,20 +7,38 @@ from pathlib import Path
 from rlfactory.config.schema import PipelineConfig, RunConfig
 
 
+def _load(run: RunConfig, names: list[str], max_samples: int | None) -> tuple[list[dict], str]:
+    """Examples of each dataset, validated as the kind the stage reads it as (and that kind, for the notes)."""
+    from rlfactory.data.loader import load_examples
+    from rlfactory.data.registry import get_spec, load_registry
+    from rlfactory.stages import dataset_kind
+
+    folder, specs = load_registry(run.data.dataset_dir)
+    examples, kinds = [], set()
+    for name in names:
+        kind = dataset_kind(run.stage, get_spec(name, folder, specs).ranking)
+        kinds.add(kind)
+        examples += load_examples([name], kind, run.data.dataset_dir, max_samples, run.data.max_bad_rows)
+    return examples, "+".join(sorted(kinds))
+
+
 def check_run(run: RunConfig) -> list[str]:
     """Datasets (rows converted and validated), model path and chat template. Raises UserError."""
     from rlfactory.data.loader import load_examples
-    from rlfactory.stages import data_kind
 
     notes = []
-    kind = data_kind(run.stage)
-    train = load_examples(run.data.dataset, kind, run.data.dataset_dir, run.data.max_samples, run.data.max_bad_rows)
+    train, kind = _load(run, run.data.dataset, run.data.max_samples)
     notes.append(f"[{run.name or run.stage}] data: {len(train)} {kind} examples from {', '.join(run.data.dataset)}")
     if run.data.eval_dataset:
-        held = load_examples(run.data.eval_dataset, kind, run.data.dataset_dir, None, run.data.max_bad_rows)
+        held, _ = _load(run, run.data.eval_dataset, None)
         notes.append(f"[{run.name or run.stage}] eval data: {len(held)} examples")
     if run.evaluation.dataset:
         load_examples([run.evaluation.dataset], "prompt", run.data.dataset_dir, 1, run.data.max_bad_rows)
+    from rlfactory.stages import get_stage
+
+    stage_check = getattr(get_stage(run.stage), "check", None)  # the stage's own rules (names, columns, files)
+    if stage_check is not None:
+        notes += list(stage_check(run) or [])
     if run.model.from_stage is None and run.model.name_or_path and Path(run.model.name_or_path).is_dir():
         from rlfactory.model.loader import load_tokenizer
 

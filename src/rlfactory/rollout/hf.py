@@ -1,4 +1,10 @@
-"""Generation with transformers' ``generate`` (batched, KV cache): token ids in, token ids out."""
+"""Generation with transformers' ``generate`` (batched, KV cache): token ids in, token ids out.
+
+Sampling settings are always passed explicitly (top_k 0, top_p 1, no repetition penalty unless
+asked), so a checkpoint's ``generation_config.json`` (Qwen ships top_k=20, temperature 0.7,
+repetition_penalty 1.05) can never silently change the distribution the rollouts come from:
+the policy gradient assumes samples from the plain softmax at the configured temperature.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +12,65 @@ from typing import Any
 
 import torch
 
+from rlfactory.rollout.base import Completion, SamplingParams
 
-@torch.no_grad()
+
+def _sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
+    if params.temperature <= 0:
+        return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    return {
+        "do_sample": True,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,  # 0 disables the warper
+    }
+
+
+class HFBackend:
+    """Batched ``model.generate`` on the policy itself (so ``sync_weights`` has nothing to do)."""
+
+    def __init__(self, model: Any, tokenizer: Any, batch_size: int = 64):
+        from rlfactory.render.chat import end_of_turn
+
+        self.model = model
+        self.batch_size = batch_size
+        self.stop_id = tokenizer.convert_tokens_to_ids(end_of_turn(tokenizer))
+        self.pad_id = tokenizer.pad_token_id
+
+    def sync_weights(self, model: Any) -> None:
+        self.model = model
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """Left-padded batches; each completion is cut right after its first end-of-turn token."""
+        device = next(self.model.parameters()).device
+        was_training = self.model.training
+        self.model.eval()
+        completions: list[Completion] = []
+        for start in range(0, len(prompts), self.batch_size):
+            chunk = prompts[start : start + self.batch_size]
+            width = max(len(p) for p in chunk)
+            input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in chunk], device=device)
+            attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
+            out = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention,
+                max_new_tokens=params.max_tokens,
+                eos_token_id=self.stop_id,
+                pad_token_id=self.pad_id,
+                repetition_penalty=1.0,
+                use_cache=True,
+                **_sampling_kwargs(params),
+            )
+            for row in out[:, width:].tolist():
+                if self.stop_id in row:
+                    completions.append(Completion(row[: row.index(self.stop_id) + 1], "stop"))
+                else:
+                    completions.append(Completion(row[: params.max_tokens], "length"))
+        self.model.train(was_training)
+        return completions
+
+
 def generate_ids(
     model: Any,
     tokenizer: Any,
@@ -18,30 +81,7 @@ def generate_ids(
     top_k: int = 0,
     batch_size: int = 32,
 ) -> list[list[int]]:
-    """Completion token ids for each prompt (left-padded batches; cut after the end-of-turn token)."""
-    from rlfactory.render.chat import end_of_turn
-
-    stop_id = tokenizer.convert_tokens_to_ids(end_of_turn(tokenizer))
-    pad_id = tokenizer.pad_token_id
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    completions: list[list[int]] = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
-        width = max(len(p) for p in chunk)
-        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk], device=device)
-        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
-        sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k or None}
-        out = model.generate(
-            input_ids=input_ids,
-            attention_mask=attention,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=stop_id,
-            pad_token_id=pad_id,
-            **(sampling if temperature > 0 else {"do_sample": False}),
-        )
-        for row in out[:, width:].tolist():
-            completions.append(row[: row.index(stop_id) + 1] if stop_id in row else row)
-    model.train(was_training)
-    return completions
+    """Completion token ids for each prompt (greedy by default); see :class:`HFBackend`."""
+    backend = HFBackend(model, tokenizer, batch_size)
+    params = SamplingParams(max_new_tokens, temperature, top_p, top_k)
+    return [c.token_ids for c in backend.generate(prompts, params)]

@@ -18,8 +18,11 @@ log = logging.getLogger(__name__)
 
 def preflight(cfg: RunConfig) -> Path | None:
     """Checks that need no model: resume target and output dir. Returns the checkpoint to resume."""
+    from transformers import set_seed
+
     resume_from = run_dir.resolve_resume(cfg.output_dir, cfg.resume_from_checkpoint)
     run_dir.check_output_dir(cfg.output_dir, cfg.overwrite_output_dir, resume_from)
+    set_seed(cfg.seed)  # before any model is built: LoRA initialisation is random too
     return resume_from
 
 

@@ -1,0 +1,60 @@
+"""The generation-backend interface of the online stages: token ids in, token ids (and log-probs) out.
+
+A backend never sees text. It continues rendered prompt ids and returns, per sample, the generated
+ids exactly as sampled (token-in, token-out: these are the ids the policy is trained on), the
+sampler's per-token log-probs when it has them (vLLM does; HF's ``generate`` returns processed
+scores, not log-probs, so it gives None), a per-token mask (1 = produced by the policy; a multi-turn
+agent loop sets 0 on tool outputs it splices in) and why generation stopped. Backends:
+``hf`` (:mod:`rlfactory.rollout.hf`); a vLLM backend implements the same two methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. temperature 0 means greedy (validation)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+@dataclass
+class Completion:
+    """One generated sample: ids (ending with the end-of-turn token when finish_reason is ``stop``)."""
+
+    token_ids: list[int]
+    finish_reason: FinishReason
+    logprobs: list[float] | None = None  # the sampler's log-prob of each token, if the backend has them
+    mask: list[int] | None = None  # 1 where the policy produced the token; None means all ones
+
+    def policy_mask(self) -> list[int]:
+        return self.mask if self.mask is not None else [1] * len(self.token_ids)
+
+
+class GenerationBackend(Protocol):
+    """What the online loop needs from a generator."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """One completion per prompt id list, in order (repeat a prompt to get several samples)."""
+        ...
+
+    def sync_weights(self, model: Any) -> None:
+        """Make the next ``generate`` use the current policy weights (no-op when generating with the policy)."""
+        ...
+
+
+def build_backend(name: str, model: Any, tokenizer: Any, batch_size: int) -> GenerationBackend:
+    """The backend named by ``rollout.backend``."""
+    if name == "hf":
+        from rlfactory.rollout.hf import HFBackend
+
+        return HFBackend(model, tokenizer, batch_size)
+    raise ValueError(f"unknown rollout backend {name!r}")

@@ -1,0 +1,66 @@
+"""Prompts + completions -> the padded tensors every online phase reads.
+
+Layout (as verl): ``[left-padded prompt | response | right padding]``, width P + R, where P is the
+longest prompt and R the longest response of the batch. Response positions are the same columns
+P..P+R-1 in every row, so every per-token tensor of the algorithms is (B, R) and aligned:
+``response_mask[i, t]`` is 1 where row i has a policy-produced token at response position t.
+Padding has attention 0 and never enters a loss; position ids count only real tokens, so a
+left-padded row computes exactly what the unpadded prompt would.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlfactory.rollout.base import Completion
+
+
+def pack_rollouts(
+    prompts: list[list[int]], completions: list[Completion], pad_id: int, mask_truncated: bool = False
+) -> dict[str, torch.Tensor]:
+    """Tensors for B samples: input_ids, attention_mask, position_ids (B, P+R); responses, response_mask,
+    loss_mask, sampler_logprobs (B, R); response_length, truncated (B,).
+
+    ``response_mask`` marks policy tokens (rewards and advantages are computed over it);
+    ``loss_mask`` is the same, except that with ``mask_truncated`` samples that hit the length limit
+    are all zeros (DAPO's overlong filtering): they still count in group statistics but add nothing
+    to the loss.
+    """
+    if len(prompts) != len(completions):
+        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+    width_p = max(len(p) for p in prompts)
+    width_r = max(1, max(len(c.token_ids) for c in completions))
+    batch = len(prompts)
+    input_ids = torch.full((batch, width_p + width_r), pad_id, dtype=torch.long)
+    attention = torch.zeros((batch, width_p + width_r), dtype=torch.long)
+    response_mask = torch.zeros((batch, width_r), dtype=torch.float32)
+    sampler_logprobs = torch.zeros((batch, width_r), dtype=torch.float32)
+    truncated = torch.tensor([c.finish_reason == "length" for c in completions])
+    for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+        n_p, n_r = len(prompt), len(completion.token_ids)
+        input_ids[row, width_p - n_p : width_p] = torch.tensor(prompt)
+        input_ids[row, width_p : width_p + n_r] = torch.tensor(completion.token_ids, dtype=torch.long)
+        attention[row, width_p - n_p : width_p + n_r] = 1
+        response_mask[row, :n_r] = torch.tensor(completion.policy_mask(), dtype=torch.float32)
+        if completion.logprobs is not None:
+            sampler_logprobs[row, :n_r] = torch.tensor(completion.logprobs)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention,
+        "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
+        "responses": input_ids[:, width_p:],
+        "response_mask": response_mask,
+        "loss_mask": response_mask * ~(truncated[:, None] & mask_truncated),
+        "sampler_logprobs": sampler_logprobs,
+        "response_length": torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32),
+        "truncated": truncated,
+    }
+
+
+def response_logits(logits: torch.Tensor, response_width: int) -> torch.Tensor:
+    """Logits (B, P+R, V) -> the (B, R, V) slice that predicts the response tokens.
+
+    Position t predicts token t+1, so the response token at column P + t is predicted at P + t - 1.
+    """
+    width = logits.shape[1]
+    return logits[:, width - response_width - 1 : width - 1]

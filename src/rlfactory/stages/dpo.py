@@ -1,0 +1,147 @@
+"""Stage ``dpo``: direct preference optimisation with a loss chosen by name (sigmoid, ipo, hinge, robust, simpo).
+
+Reads top to bottom: loss check -> tokenizer -> pairs (render, truncate) -> policy -> reference ->
+output dir -> scores before -> train (shared engine) -> scores after -> summary.
+
+Each micro-batch of B pairs is one forward of 2B rows (chosen; rejected). The loss entry comes from
+``PREFERENCE_LOSSES`` and declares what it needs: ``reference_free`` entries (simpo) never touch a
+reference; ``length_normalised`` entries (ipo, simpo) get length-averaged log-probs, the others sums.
+``dpo.sft_weight`` > 0 adds RPO's NLL on the chosen response (Pang et al. 2024,
+https://arxiv.org/abs/2404.19733), per sequence averaged over its tokens. The engine divides the summed
+per-pair losses by the pairs in the accumulation window, so the loss is a mean over pairs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rlfactory.algos.preference import PREFERENCE_LOSSES, preference_metrics
+from rlfactory.config.schema import DPOConfig, RunConfig
+from rlfactory.engine.trainer import Batch, StageParts, train
+from rlfactory.errors import UserError, did_you_mean
+from rlfactory.stages import common, preference_data, reference
+from rlfactory.stages.preference_data import PAIR_ACCURACY, collate_pairs, forward_logps
+
+log = logging.getLogger(__name__)
+
+
+def dpo_loss_types() -> list[str]:
+    """Paired losses that are a DPO objective on their own (orpo and kto have stages of their own)."""
+    return [n for n in PREFERENCE_LOSSES.names() if not PREFERENCE_LOSSES.traits(n).get("own_stage")]
+
+
+def check_loss_type(name: str) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """The registered loss and its traits; a clear error for unknown names and other stages' objectives."""
+    valid = dpo_loss_types()
+    if name in PREFERENCE_LOSSES and name not in valid:
+        stage = PREFERENCE_LOSSES.traits(name)["own_stage"]
+        raise UserError(
+            f"dpo.loss_type '{name}' is the objective of stage {stage}: set `stage: {stage}` (with a `{stage}:` "
+            f"section) instead; dpo loss types: {', '.join(valid)}"
+        )
+    if name not in valid:
+        raise UserError(f"unknown dpo.loss_type '{name}'{did_you_mean(name, valid)}; valid names: {', '.join(valid)}")
+    return PREFERENCE_LOSSES.get(name), PREFERENCE_LOSSES.traits(name)
+
+
+def count_pairs(batch: Batch) -> float:
+    return float(batch["input_ids"].shape[0] // 2)
+
+
+def reference_logps(batch: Batch, ref: reference.RefFn | None, length_normalised: bool) -> torch.Tensor | None:
+    """(2B,) reference log-probs: precomputed in the batch, computed now, or None (reference-free loss)."""
+    if "ref_logps" in batch:
+        return batch["ref_logps"]
+    if ref is None:
+        return None
+    sums, means = ref(batch, "")
+    return means if length_normalised else sums
+
+
+def make_loss(section: DPOConfig, loss: Callable[..., Any], traits: dict, ref: reference.RefFn | None) -> Callable:
+    """loss_fn(model, batch) -> (summed per-pair loss, metrics under TRL's names)."""
+    length_normalised = traits["length_normalised"]
+
+    def dpo_loss(model: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        sums, means = forward_logps(model, batch)
+        policy_chosen, policy_rejected = (means if length_normalised else sums).chunk(2)
+        ref_logps = reference_logps(batch, ref, length_normalised)
+        ref_chosen, ref_rejected = ref_logps.chunk(2) if ref_logps is not None else (None, None)
+        losses, chosen_rewards, rejected_rewards = loss(
+            policy_chosen,
+            policy_rejected,
+            ref_chosen,
+            ref_rejected,
+            beta=section.beta,
+            label_smoothing=section.label_smoothing,
+            gamma=section.simpo_gamma,
+        )
+        metrics = preference_metrics(chosen_rewards, rejected_rewards, *sums.chunk(2))
+        metrics["logps/accuracies"] = preference_data.logp_accuracy(*sums.chunk(2))
+        if section.sft_weight:
+            nll = -means.chunk(2)[0]  # per-sequence mean token NLL of the chosen response
+            losses = losses + section.sft_weight * nll
+            metrics["nll_loss"] = nll.detach().mean().item()
+        return losses.sum(), metrics
+
+    return dpo_loss
+
+
+def setup_reference(cfg: RunConfig, model: Any, traits: dict, item_sets: list[list[dict]], pad_id: int) -> Any:
+    """Reference per the module doc of ``stages.reference``; None when reference-free or precomputed."""
+    section = cfg.dpo
+    assert section is not None
+    if traits["reference_free"]:
+        if section.precompute_ref_logps:
+            log.info("dpo.loss_type '%s' is reference-free: nothing to precompute", section.loss_type)
+        return None
+    if section.precompute_ref_logps:
+        reference.precompute_pairs(
+            section.ref_model,
+            cfg,
+            model,
+            item_sets,
+            collate=collate_pairs(pad_id),
+            batch_size=cfg.train.per_device_batch_size,
+            length_normalised=traits["length_normalised"],
+        )
+        return None
+    return reference.build_reference(cfg, model, section.ref_model)
+
+
+def run(cfg: RunConfig) -> dict[str, Any]:
+    from rlfactory.model.loader import load_model, load_tokenizer
+
+    assert cfg.dpo is not None
+    loss, traits = check_loss_type(cfg.dpo.loss_type)
+    resume_from = common.preflight(cfg)
+    tokenizer = load_tokenizer(cfg.model)
+
+    train_examples, eval_examples = preference_data.load_train_eval(cfg, "pairwise")
+    train_items = preference_data.render_pairs(cfg, tokenizer, train_examples)
+    eval_items = preference_data.render_pairs(cfg, tokenizer, eval_examples) if eval_examples else None
+    eval_prompts = common.load_eval_prompts(cfg)
+
+    model = load_model(cfg.model, cfg.lora, cfg.freeze)
+    item_sets = [train_items] + ([eval_items] if eval_items else [])
+    ref = setup_reference(cfg, model, traits, item_sets, tokenizer.pad_token_id)
+    common.start_output_dir(cfg, resume_from)
+    before = preference_data.generation_before(cfg, model, tokenizer, eval_prompts, resume_from is not None)
+
+    parts = StageParts(
+        train_examples=train_items,
+        eval_examples=eval_items,
+        collate=collate_pairs(tokenizer.pad_token_id),
+        loss_fn=make_loss(cfg.dpo, loss, traits, ref),
+        count_fn=count_pairs,
+    )
+    result = train(cfg, model, tokenizer, parts, resume_from)
+    extra = preference_data.generation_after(cfg, result.model, tokenizer, eval_prompts, before)
+    extra |= preference_data.before_after(
+        result.final_dir, "eval_logps/accuracies", PAIR_ACCURACY, len(eval_items or [])
+    )
+    return common.finish(cfg, result, extra)

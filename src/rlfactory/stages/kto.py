@@ -1,0 +1,205 @@
+"""Stage ``kto``: Kahneman-Tversky optimisation on unpaired desirable / undesirable examples.
+
+Reads top to bottom: checks -> tokenizer -> examples (unpaired, or split from preference pairs) ->
+render -> policy -> reference -> output dir -> scores before -> train (shared engine) -> scores after.
+
+Data: a dataset registered as ranking data (``ranking: true``) is used as is: each pair gives one
+desirable (chosen) and one undesirable (rejected) example, so no extra key is needed. Other datasets
+need a true/false ``label`` (``columns.kto_tag``). Both labels must occur.
+
+Reference point z0 (the KL term): estimated per micro-batch from mismatched pairs, prompt i with the
+completion of example i-1 (TRL's rotation; an earlier row when that one has the same prompt), under
+the policy and the reference, without gradient. A micro-batch therefore needs at least 2 examples.
+Under data parallelism each process uses its own micro-batch (TRL all-reduces z0; the estimate is
+noisier, not biased). The loss is the registered ``kto`` entry; the engine divides summed
+per-example losses by the examples of the window.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rlfactory.algos.preference import PREFERENCE_LOSSES
+from rlfactory.config.schema import KTOConfig, RunConfig
+from rlfactory.engine.trainer import Batch, StageParts, train
+from rlfactory.errors import UserError
+from rlfactory.stages import common, preference_data, reference
+from rlfactory.stages.preference_data import fit_prompt, forward_logps, pad_rows, warn_truncation
+
+log = logging.getLogger(__name__)
+MARGINS = "eval reward margin (desirable - undesirable; 0 at step 0)"
+
+
+def split_pairs(pairs: list[dict]) -> list[dict]:
+    """Each preference pair -> a desirable (chosen) and an undesirable (rejected) unpaired example."""
+    out = []
+    for pair in pairs:
+        for side, label in (("chosen", True), ("rejected", False)):
+            out.append({**pair, "messages": pair["messages"] + pair[side], "label": label, "source": pair["source"]})
+    return out
+
+
+def load_kto_examples(cfg: RunConfig, names: list[str]) -> list[dict]:
+    """Unpaired examples: ranking datasets are split (one example per side), others need labels."""
+    from rlfactory.data.loader import load_examples
+    from rlfactory.data.registry import get_spec, load_registry
+    from rlfactory.stages import dataset_kind
+
+    d = cfg.data
+    folder, specs = load_registry(d.dataset_dir)
+    examples: list[dict] = []
+    pairs: list[dict] = []
+    for name in names:
+        if dataset_kind("kto", get_spec(name, folder, specs).ranking) == "pairwise":
+            log.info("dataset '%s' is preference data: each pair gives one desirable + one undesirable example", name)
+            pairs += load_examples([name], "pairwise", d.dataset_dir, d.max_samples, d.max_bad_rows)
+        else:
+            examples += load_examples([name], "unpaired", d.dataset_dir, d.max_samples, d.max_bad_rows)
+    return examples + split_pairs(pairs)
+
+
+def check_labels(examples: list[dict], names: list[str], section: KTOConfig) -> None:
+    """Both classes must occur; warn when the weighted class balance is outside TRL's advice [1, 4/3]."""
+    desirable = sum(1 for e in examples if e["label"])
+    undesirable = len(examples) - desirable
+    if not desirable or not undesirable:
+        present = "desirable (label true)" if desirable else "undesirable (label false)"
+        raise UserError(
+            f"kto needs both desirable and undesirable examples, but {', '.join(names)} has only {present} ones "
+            f"({len(examples)} rows); add examples of the other label"
+        )
+    ratio = section.desirable_weight * desirable / (section.undesirable_weight * undesirable)
+    if not 1.0 <= ratio <= 4 / 3:
+        log.warning(
+            "%d desirable vs %d undesirable examples: weighted ratio %.2f is outside [1, 4/3] (KTO paper); "
+            "adjust kto.desirable_weight / kto.undesirable_weight",
+            desirable,
+            undesirable,
+            ratio,
+        )
+
+
+def render_unpaired(cfg: RunConfig, tokenizer: Any, examples: list[dict]) -> list[dict[str, Any]]:
+    """Prompt = messages up to the last user turn; completion = the rest (its tool results are not trained)."""
+    from rlfactory.render.chat import render_continuation
+
+    items, cut, dropped = [], 0, 0
+    for example in examples:
+        messages = example["messages"]
+        split = max(i for i, m in enumerate(messages) if m["role"] == "user") + 1
+        prompt, ids, mask = render_continuation(tokenizer, messages[:split], messages[split:], example["tools"])
+        fitted = fit_prompt(prompt, len(ids), cfg.data.cutoff_len, cfg.data.truncation)
+        if fitted is None:
+            dropped += 1
+            continue
+        cut += fitted is not prompt
+        items.append({"prompt_ids": fitted, "ids": ids, "mask": mask, "label": bool(example["label"])})
+    warn_truncation(cut, dropped, len(examples), cfg)
+    return items
+
+
+def mismatched(items: list[dict]) -> list[dict]:
+    """For row i, the completion of row i-1 (TRL's rotation), or the nearest earlier row with another prompt:
+    a pair split into two examples puts the same prompt in neighbouring rows."""
+    out = []
+    for i, item in enumerate(items):
+        others = (items[i - k] for k in range(1, len(items)))
+        out.append(next((o for o in others if o["prompt_ids"] != item["prompt_ids"]), items[i - 1]))
+    return out
+
+
+def collate_unpaired(pad_id: int, cutoff_len: int) -> Callable[[list[dict]], Batch]:
+    """Rows (prompt_i, completion_i) plus ``kl_`` rows (prompt_i, a completion of another prompt), ``desirable``."""
+
+    def collate(items: list[dict]) -> Batch:
+        batch = pad_rows([(it["prompt_ids"], it["ids"], it["mask"]) for it in items], pad_id)
+        kl_rows = []
+        for item, other in zip(items, mismatched(items), strict=True):
+            # the completion fits cutoff_len with one prompt token (render_unpaired checked it)
+            prompt = fit_prompt(item["prompt_ids"], len(other["ids"]), cutoff_len, "right") or item["prompt_ids"][-1:]
+            kl_rows.append((prompt, other["ids"], other["mask"]))
+        batch.update({f"kl_{k}": v for k, v in pad_rows(kl_rows, pad_id).items()})
+        batch["desirable"] = torch.tensor([it["label"] for it in items], dtype=torch.bool)
+        return batch
+
+    return collate
+
+
+def kto_metrics(rewards: torch.Tensor, logps: torch.Tensor, desirable: torch.Tensor, kl: torch.Tensor) -> dict:
+    """TRL's KTO names: kl, rewards/chosen|rejected|margins, logps/chosen|rejected (class means of the batch)."""
+    metrics = {"kl": float(kl)}
+    for name, rows in (("chosen", desirable), ("rejected", ~desirable)):
+        if rows.any():
+            metrics[f"rewards/{name}"] = rewards[rows].mean().item()
+            metrics[f"logps/{name}"] = logps.detach()[rows].mean().item()
+    if "rewards/chosen" in metrics and "rewards/rejected" in metrics:
+        metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+    return metrics
+
+
+def make_loss(section: KTOConfig, ref: reference.RefFn) -> Callable[[Any, Batch], tuple[torch.Tensor, dict]]:
+    kto = PREFERENCE_LOSSES.get("kto")
+
+    def kto_loss(model: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        with torch.no_grad():  # the reference point is detached: no graph for the mismatched rows
+            policy_kl = forward_logps(model, batch, "kl_")[0]
+        policy = forward_logps(model, batch)[0]
+        losses, rewards, kl = kto(
+            policy,
+            ref(batch, "")[0],
+            batch["desirable"],
+            policy_kl,
+            ref(batch, "kl_")[0],
+            beta=section.beta,
+            desirable_weight=section.desirable_weight,
+            undesirable_weight=section.undesirable_weight,
+        )
+        return losses.sum(), kto_metrics(rewards, policy, batch["desirable"], kl)
+
+    return kto_loss
+
+
+def count_examples(batch: Batch) -> float:
+    return float(batch["input_ids"].shape[0])
+
+
+def run(cfg: RunConfig) -> dict[str, Any]:
+    from rlfactory.model.loader import load_model, load_tokenizer
+
+    assert cfg.kto is not None
+    if cfg.train.per_device_batch_size < 2:
+        raise UserError(
+            "kto estimates its KL reference point within a micro-batch: set train.per_device_batch_size >= 2"
+        )
+    resume_from = common.preflight(cfg)
+    tokenizer = load_tokenizer(cfg.model)
+
+    examples = load_kto_examples(cfg, cfg.data.dataset)
+    check_labels(examples, cfg.data.dataset, cfg.kto)
+    train_examples, eval_examples = common.split_eval(examples, cfg.data.eval_split, cfg.seed)
+    if cfg.data.eval_dataset:
+        eval_examples = load_kto_examples(cfg, cfg.data.eval_dataset)
+    train_items = render_unpaired(cfg, tokenizer, train_examples)
+    eval_items = render_unpaired(cfg, tokenizer, eval_examples) if eval_examples else None
+    eval_prompts = common.load_eval_prompts(cfg)
+
+    model = load_model(cfg.model, cfg.lora, cfg.freeze)
+    ref = reference.build_reference(cfg, model)
+    common.start_output_dir(cfg, resume_from)
+    before = preference_data.generation_before(cfg, model, tokenizer, eval_prompts, resume_from is not None)
+
+    parts = StageParts(
+        train_examples=train_items,
+        eval_examples=eval_items,
+        collate=collate_unpaired(tokenizer.pad_token_id, cfg.data.cutoff_len),
+        loss_fn=make_loss(cfg.kto, ref),
+        count_fn=count_examples,
+    )
+    result = train(cfg, model, tokenizer, parts, resume_from)
+    extra = preference_data.generation_after(cfg, result.model, tokenizer, eval_prompts, before)
+    extra |= preference_data.before_after(result.final_dir, "eval_rewards/margins", MARGINS, len(eval_items or []))
+    return common.finish(cfg, result, extra)

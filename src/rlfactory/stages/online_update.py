@@ -1,0 +1,211 @@
+"""The tensor side of an online step, on a packed rollout batch (layout: ``rollout.batch``).
+
+Forward passes (policy log-probs, critic values), token rewards and advantages, and the actor /
+critic updates: ``algorithm.ppo_epochs`` passes over the batch, each split into
+``algorithm.num_mini_batches`` optimizer steps, each of micro-batches of
+``train.per_device_batch_size`` rows. Losses, estimators, KL and aggregation come from the
+registries by name; this module never branches on a name.
+
+Exactness: every aggregation in ``LOSS_AGG`` is linear in the per-token loss, so a micro-batch
+contributes ``agg(loss placed in its rows of a zero (mini-batch) tensor, mini-batch mask)`` and the
+micro-batch contributions sum to the mini-batch loss exactly — whatever the mode (token-mean,
+seq-mean, ...) and however rows are split.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rlfactory.algos.common import entropy_from_logits, masked_mean, masked_var, token_logprobs
+from rlfactory.config.schema import AlgorithmConfig
+from rlfactory.rollout.batch import response_logits
+
+Batch = dict[str, torch.Tensor]
+
+
+def _trimmed(batch: Batch, rows: torch.Tensor) -> tuple[dict[str, torch.Tensor], int]:
+    """Model inputs for ``rows`` without the right padding no row of them needs; and their response width."""
+    width_r = max(1, int(batch["response_length"][rows].max()))
+    end = batch["input_ids"].shape[1] - batch["responses"].shape[1] + width_r
+    inputs = {k: batch[k][rows, :end] for k in ("input_ids", "attention_mask", "position_ids")}
+    return inputs, width_r
+
+
+def _to_full_width(values: torch.Tensor, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
+    """(b, r) -> (b, R): zeros after each row's response (padding holds no number that could leak)."""
+    valid = torch.arange(values.shape[1], device=values.device)[None] < batch["response_length"][rows][:, None]
+    values = torch.where(valid, values, torch.zeros_like(values))
+    return F.pad(values, (0, batch["responses"].shape[1] - values.shape[1]))
+
+
+def policy_forward(
+    model: Any, batch: Batch, rows: torch.Tensor, temperature: float = 1.0, entropy: str = "none"
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (b, R) of the sampled response tokens under ``model`` at the sampling temperature.
+
+    ``entropy``: ``none``, ``metric`` (computed without gradient) or ``loss`` (with gradient).
+    """
+    inputs, width_r = _trimmed(batch, rows)
+    # logits only for the positions that predict response tokens: prompt positions are never computed
+    logits = model(**inputs, use_cache=False, logits_to_keep=width_r + 1).logits[:, :-1]
+    if temperature != 1.0:
+        logits = logits / temperature
+    logprobs = token_logprobs(logits, batch["responses"][rows, :width_r])
+    ent = None
+    if entropy != "none":
+        with torch.set_grad_enabled(entropy == "loss" and torch.is_grad_enabled()):
+            ent = entropy_from_logits(logits if entropy == "loss" else logits.detach())
+            ent = _to_full_width(ent, batch, rows)
+    return _to_full_width(logprobs, batch, rows), ent
+
+
+def value_forward(critic: Any, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
+    """Critic values (b, R): V at the state *before* each response token (the position that predicts it)."""
+    inputs, width_r = _trimmed(batch, rows)
+    return _to_full_width(response_logits(critic(**inputs), width_r), batch, rows)
+
+
+def micro_batches(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
+    return list(torch.split(rows, size))
+
+
+@torch.no_grad()
+def full_pass(fn: Callable[[torch.Tensor], torch.Tensor], batch: Batch, size: int) -> torch.Tensor:
+    """``fn(rows) -> (b, R)`` over the whole batch in micro-batches (no gradient)."""
+    rows = torch.arange(batch["responses"].shape[0], device=batch["responses"].device)
+    return torch.cat([fn(chunk).float() for chunk in micro_batches(rows, size)])
+
+
+def token_rewards(batch: Batch, kl_penalty: torch.Tensor | None, kl_coef: float) -> torch.Tensor:
+    """(B, R): the sequence score on the last response token, minus ``kl_coef * KL`` on every response token."""
+    mask = batch["response_mask"]
+    rewards = torch.zeros_like(mask)
+    last = (batch["response_length"].long() - 1).clamp(min=0)
+    rewards[torch.arange(mask.shape[0]), last] = batch["scores"]
+    if kl_penalty is not None and kl_coef > 0:
+        rewards = rewards - kl_coef * kl_penalty * mask
+    return rewards
+
+
+def advantages(batch: Batch, alg: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns) (B, R) from the estimator named by ``algorithm.adv_estimator``."""
+    from rlfactory.algos.advantages import ADV_ESTIMATORS
+
+    estimator = ADV_ESTIMATORS.get(str(alg.adv_estimator))
+    return estimator(
+        batch["token_rewards"],
+        batch["response_mask"],
+        index=batch["group"],
+        values=batch.get("values"),
+        gamma=alg.gamma,
+        lam=alg.lam,
+        config={"scale": alg.grpo_scale},
+    )
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over response tokens (1 = perfect critic, <= 0 = useless)."""
+    var_returns = masked_var(returns, mask)
+    return float(1 - masked_var(returns - values, mask) / var_returns.clamp(min=1e-8))
+
+
+def _part(agg: Callable, per_token: torch.Tensor, mini_mask: torch.Tensor, pos: torch.Tensor, max_len: int):
+    """This micro-batch's exact share of the mini-batch aggregate (see module doc)."""
+    full = per_token.new_zeros(mini_mask.shape)
+    full = full.index_put((pos,), per_token)
+    return agg(full, mini_mask, max_response_length=max_len)
+
+
+class Updater:
+    """Runs the mini-batch epochs for one model; ``loss_fn(rows, pos, mini_rows) -> (loss part, metrics)``."""
+
+    def __init__(self, accelerator: Any, model: Any, optimizer: Any, scheduler: Any, max_grad_norm: float | None):
+        self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
+        self.max_grad_norm = max_grad_norm
+
+    def run(self, batch: Batch, alg: AlgorithmConfig, micro: int, mask_key: str, loss_fn: Callable, prefix: str):
+        from rlfactory.engine.online import grad_norm
+
+        sums: dict[str, list[float]] = defaultdict(list)
+        n = batch["responses"].shape[0]
+        for _ in range(alg.ppo_epochs):
+            order = torch.randperm(n, device=batch["responses"].device)
+            for mini_rows in torch.tensor_split(order, alg.num_mini_batches):
+                if batch[mask_key][mini_rows].sum() == 0:
+                    continue  # nothing to learn from (e.g. every sample truncated and masked)
+                mini: dict[str, float] = defaultdict(float)
+                for pos in micro_batches(torch.arange(len(mini_rows), device=order.device), micro):
+                    with self.accelerator.autocast():
+                        loss, metrics = loss_fn(mini_rows[pos], pos, mini_rows)
+                    self.accelerator.backward(loss)
+                    for key, value in metrics.items():
+                        mini[key] += float(value)
+                mini["grad_norm"] = grad_norm(self.accelerator, self.model, self.max_grad_norm)
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                for key, value in mini.items():
+                    sums[key].append(value)
+        metrics = {f"{prefix}/{k}": sum(v) / len(v) for k, v in sums.items()}
+        metrics[f"{prefix}/lr"] = self.scheduler.get_last_lr()[0]
+        return metrics
+
+
+def actor_loss_fn(model: Any, batch: Batch, alg: AlgorithmConfig, temperature: float, max_len: int) -> Callable:
+    """The actor's micro-batch loss: policy loss + kl_loss_coef * KL - entropy_coef * entropy, each aggregated."""
+    from rlfactory.algos.aggregation import LOSS_AGG
+    from rlfactory.algos.kl import KL_ESTIMATORS
+    from rlfactory.algos.policy_loss import POLICY_LOSSES
+
+    policy_loss, agg = POLICY_LOSSES.get(alg.policy_loss), LOSS_AGG.get(alg.loss_agg)
+    kl_fn = KL_ESTIMATORS.get(alg.kl_loss_estimator)
+    loss_cfg = {k: v for k, v in (("clip_low", alg.clip_low), ("clip_high", alg.clip_high)) if v is not None}
+    loss_cfg["clip_c"] = alg.clip_c
+
+    def loss_fn(rows: torch.Tensor, pos: torch.Tensor, mini_rows: torch.Tensor):
+        entropy_mode = "loss" if alg.entropy_coef > 0 else "metric"
+        logprobs, entropy = policy_forward(model, batch, rows, temperature, entropy_mode)
+        # one update per rollout batch: the old policy IS the current one, so no extra forward was spent
+        old = batch["old_logprobs"][rows] if "old_logprobs" in batch else logprobs.detach()
+        mask, mini_mask = batch["loss_mask"][rows], batch["loss_mask"][mini_rows]
+        per_token, pg_metrics = policy_loss(logprobs, old, batch["advantages"][rows], mask, config=loss_cfg)
+        pg_loss = _part(agg, per_token, mini_mask, pos, max_len)
+        loss = pg_loss
+        share = float(mask.sum() / mini_mask.sum().clamp(min=1))  # token weight of masked-mean metrics
+        metrics = {"pg_loss": pg_loss.detach(), **{k: v * share for k, v in pg_metrics.items()}}
+        metrics["entropy"] = masked_mean(entropy.detach(), mask) * share
+        if alg.kl_loss_coef > 0:
+            kl_loss = _part(agg, kl_fn(logprobs, batch["ref_logprobs"][rows]), mini_mask, pos, max_len)
+            loss = loss + alg.kl_loss_coef * kl_loss
+            metrics["kl_loss"] = kl_loss.detach()
+        if alg.entropy_coef > 0:
+            loss = loss - alg.entropy_coef * _part(agg, entropy, mini_mask, pos, max_len)
+        metrics["loss"] = loss.detach()
+        return loss, metrics
+
+    return loss_fn
+
+
+def critic_loss_fn(critic: Any, batch: Batch, alg: AlgorithmConfig, max_len: int) -> Callable:
+    """The critic's micro-batch loss: clipped value loss (``algorithm.value_clip``), aggregated like the actor's."""
+    from rlfactory.algos.aggregation import LOSS_AGG
+    from rlfactory.algos.policy_loss import value_loss
+
+    agg = LOSS_AGG.get(alg.loss_agg)
+
+    def loss_fn(rows: torch.Tensor, pos: torch.Tensor, mini_rows: torch.Tensor):
+        values = value_forward(critic, batch, rows)
+        mask, mini_mask = batch["response_mask"][rows], batch["response_mask"][mini_rows]
+        per_token, metrics = value_loss(
+            values, batch["values"][rows], batch["returns"][rows], mask, clip_range=alg.value_clip
+        )
+        loss = _part(agg, per_token, mini_mask, pos, max_len)
+        share = float(mask.sum() / mini_mask.sum().clamp(min=1))
+        return loss, {"vf_loss": loss.detach(), **{k: v * share for k, v in metrics.items()}}
+
+    return loss_fn

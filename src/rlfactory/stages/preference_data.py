@@ -1,0 +1,203 @@
+"""Preference data shared by stages rm, dpo, kto and orpo: render pairs, truncate, collate, log-probs.
+
+A pair is rendered with ``render_continuation`` once per side; both sides must give the same prompt ids,
+so chosen and rejected differ only in their response tokens. A micro-batch of B pairs becomes ONE
+padded batch of 2B rows ``[chosen_0..chosen_{B-1}; rejected_0..rejected_{B-1}]`` so both sides go
+through a single forward (half the kernel launches, and the same padding for both). ``loss_mask``
+marks the response tokens the policy produced: prompt, template glue after the turn and padding are
+never counted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlfactory.algos.common import masked_sum, token_logprobs
+from rlfactory.config.schema import RunConfig
+from rlfactory.engine.trainer import Batch
+from rlfactory.errors import UserError
+from rlfactory.render.chat import render_continuation
+from rlfactory.stages import common
+
+log = logging.getLogger(__name__)
+
+Row = tuple[list[int], list[int], list[bool]]  # (prompt ids, response ids, response mask)
+
+
+def load_train_eval(cfg: RunConfig, kind: str) -> tuple[list[dict], list[dict]]:
+    """Training examples and held-out ones (``data.eval_dataset``, else a seeded ``data.eval_split``)."""
+    from rlfactory.data.loader import load_examples
+
+    d = cfg.data
+    examples = load_examples(d.dataset, kind, d.dataset_dir, d.max_samples, d.max_bad_rows)
+    train, held = common.split_eval(examples, d.eval_split, cfg.seed)
+    if d.eval_dataset:
+        held = load_examples(d.eval_dataset, kind, d.dataset_dir, d.max_samples, d.max_bad_rows)
+    return train, held
+
+
+def fit_prompt(prompt: list[int], longest_response: int, cutoff_len: int, truncation: str) -> list[int] | None:
+    """The prompt, cut from the LEFT so the whole response fits in ``cutoff_len``; None means drop.
+
+    Preference losses compare complete responses, so the response is never cut (cutting both sides
+    could make them identical). At least one prompt token must stay: it predicts the first response token.
+    """
+    room = cutoff_len - longest_response
+    if len(prompt) <= room:
+        return prompt
+    if truncation == "drop" or room < 1:
+        return None
+    return prompt[len(prompt) - room :]
+
+
+def render_pair(tokenizer: Any, example: dict) -> dict[str, list]:
+    """prompt_ids plus ids and masks of both responses (plus ``margin`` when the row has one)."""
+    prompt, chosen, chosen_mask = render_continuation(
+        tokenizer, example["messages"], example["chosen"], example["tools"]
+    )
+    prompt_r, rejected, rejected_mask = render_continuation(
+        tokenizer, example["messages"], example["rejected"], example["tools"]
+    )
+    if prompt != prompt_r:  # cannot happen with a prefix-stable template; guard the single-forward layout
+        raise UserError(f"{example.get('source')}: chosen and rejected render different prompts")
+    item: dict[str, Any] = {"prompt_ids": prompt, "chosen_ids": chosen, "chosen_mask": chosen_mask}
+    item.update(rejected_ids=rejected, rejected_mask=rejected_mask, margin=example.get("margin"))
+    return item
+
+
+def warn_truncation(cut: int, dropped: int, total: int, cfg: RunConfig) -> None:
+    """Say how many examples truncation touched; no example left is an error."""
+    if cut:
+        log.warning("%d example(s) longer than data.cutoff_len=%d: prompt cut from the left", cut, cfg.data.cutoff_len)
+    if dropped:
+        log.warning(
+            "%d example(s) dropped: the response does not fit in data.cutoff_len=%d%s",
+            dropped,
+            cfg.data.cutoff_len,
+            " (data.truncation=drop)" if cfg.data.truncation == "drop" else "",
+        )
+    if dropped == total:
+        raise UserError(f"no example fits data.cutoff_len={cfg.data.cutoff_len}; raise it")
+
+
+def render_pairs(cfg: RunConfig, tokenizer: Any, examples: list[dict]) -> list[dict[str, Any]]:
+    """Render and truncate every pair; counts what truncation cut or dropped."""
+    items, cut, dropped = [], 0, 0
+    for example in examples:
+        item = render_pair(tokenizer, example)
+        longest = max(len(item["chosen_ids"]), len(item["rejected_ids"]))
+        prompt = fit_prompt(item["prompt_ids"], longest, cfg.data.cutoff_len, cfg.data.truncation)
+        if prompt is None:
+            dropped += 1
+            continue
+        cut += prompt is not item["prompt_ids"]
+        items.append({**item, "prompt_ids": prompt})
+    warn_truncation(cut, dropped, len(examples), cfg)
+    return items
+
+
+def pad_rows(rows: list[Row], pad_id: int) -> Batch:
+    """Right-padded ``input_ids``, ``attention_mask`` and ``loss_mask`` (True on trained response tokens)."""
+    width = max(len(prompt) + len(response) for prompt, response, _ in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for row, (prompt, response, mask) in enumerate(rows):
+        n, m = len(prompt), len(response)
+        ids[row, : n + m] = torch.tensor(prompt + response, dtype=torch.long)
+        attention[row, : n + m] = 1
+        loss_mask[row, n : n + m] = torch.tensor(mask, dtype=torch.bool)
+    return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
+
+
+def collate_pairs(pad_id: int) -> Callable[[list[dict]], Batch]:
+    """B pairs -> one batch of 2B rows, chosen first; carries ``margin`` and precomputed ``ref_*`` if present."""
+
+    def collate(items: list[dict]) -> Batch:
+        chosen = [(it["prompt_ids"], it["chosen_ids"], it["chosen_mask"]) for it in items]
+        rejected = [(it["prompt_ids"], it["rejected_ids"], it["rejected_mask"]) for it in items]
+        batch = pad_rows(chosen + rejected, pad_id)
+        batch["margin"] = torch.tensor([float(it.get("margin") or 0.0) for it in items])
+        if "ref_chosen_logps" in items[0]:
+            batch["ref_logps"] = torch.tensor(
+                [it["ref_chosen_logps"] for it in items] + [it["ref_rejected_logps"] for it in items]
+            )
+        return batch
+
+    return collate
+
+
+def sequence_logps(
+    logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (summed, length-averaged) log-probs of the masked tokens; logits (N, T, V) -> (N,), (N,).
+
+    Position t predicts token t+1, so targets are the ids shifted left and the mask is shifted with them;
+    the full logits are passed (no sliced copy) and the last position is masked out. ``token_logprobs``
+    never materialises a (N, T, V) float32 log-softmax.
+    """
+    targets = torch.zeros_like(input_ids)
+    targets[:, :-1] = input_ids[:, 1:]
+    mask = torch.zeros_like(loss_mask)
+    mask[:, :-1] = loss_mask[:, 1:]
+    sums = masked_sum(token_logprobs(logits, targets), mask, dim=-1)
+    return sums, sums / mask.sum(-1).clamp(min=1)
+
+
+def forward_logps(model: Any, batch: Batch, prefix: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """One causal-LM forward over the rows ``{prefix}input_ids``; returns (summed, averaged) response logps."""
+    ids, attention = batch[f"{prefix}input_ids"], batch[f"{prefix}attention_mask"]
+    logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits
+    return sequence_logps(logits, ids, batch[f"{prefix}loss_mask"])
+
+
+def run_device() -> torch.device:
+    """This process's device, where Accelerate will place the policy (passes before training run there too)."""
+    from accelerate import PartialState
+
+    return PartialState().device
+
+
+PAIR_ACCURACY = "eval preference accuracy (policy logp chosen > rejected)"
+
+
+def logp_accuracy(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor) -> float:
+    """Fraction of pairs whose chosen response has the higher policy log-prob, logged as ``logps/accuracies``.
+
+    Unlike the implicit-reward accuracy (0 at step 0, when policy == reference), it means something before
+    training, so the step-0 and final evals show what training changed.
+    """
+    return (chosen_logps.detach() > rejected_logps.detach()).float().mean().item()
+
+
+def before_after(out: str | Path, metric: str, label: str, n: int) -> dict[str, dict]:
+    """``{label: {before, after, n}}`` from the step-0 and the last eval records of trainer_log.jsonl."""
+    from rlfactory.engine.run_dir import read_log
+
+    records = [r for r in read_log(out) if metric in r]
+    if not records:
+        return {}
+    before = records[0][metric] if records[0]["step"] == 0 else None
+    return {label: {"before": before, "after": records[-1][metric], "n": n}}
+
+
+def generation_before(cfg: RunConfig, model: Any, tokenizer: Any, prompts: list, resuming: bool) -> float | None:
+    """Generation score of the starting model on ``evaluation.dataset`` (None when off or resuming)."""
+    if not prompts or resuming or not cfg.evaluation.before_training:
+        return None
+    model.to(run_device())
+    return common.evaluate_generation(model, tokenizer, prompts, cfg.evaluation)["score"]
+
+
+def generation_after(cfg: RunConfig, model: Any, tokenizer: Any, prompts: list, before: float | None) -> dict:
+    """The same score after training, as ``{name: {before, after, n}}`` for the run summary."""
+    if not prompts:
+        return {}
+    scored = common.evaluate_generation(model, tokenizer, prompts, cfg.evaluation)
+    key = f"{cfg.evaluation.metric} ({cfg.evaluation.dataset})"
+    return {key: {"before": before, "after": scored["score"], "n": scored["n"]}}

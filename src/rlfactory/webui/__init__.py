@@ -1,0 +1,20 @@
+"""The WebUI: a Gradio dashboard to configure, launch, watch and use runs of every stage.
+
+``rlfactory webui`` (``pip install 'rlfactory[webui]'``). The app lives inside the package (not in a
+top-level ``webui/`` folder as DESIGN.md sketched) so that an installed rlfactory can start it.
+
+Modules without Gradio hold the logic and are unit-testable on their own:
+``schema_form`` (config JSON schema -> form fields -> YAML), ``runner`` (launch/stop ``rlfactory train``
+subprocesses), ``monitor`` (trainer_log.jsonl -> progress, charts, rollouts), ``preview`` (dataset rows
+-> rendered tokens with trained tokens highlighted) and ``chat`` (load, chat, merge/export). The Gradio
+layer is ``app`` plus one module per tab; Gradio is imported only there.
+"""
+
+from __future__ import annotations
+
+
+def launch(host: str = "127.0.0.1", port: int = 7860, share: bool = False, auth: str | None = None) -> None:
+    """Build the app and serve it (blocks until interrupted)."""
+    from rlfactory.webui.app import serve
+
+    serve(host=host, port=port, share=share, auth=auth)

@@ -1,0 +1,91 @@
+"""The Gradio app: four tabs (Train, Monitor, Chat, Export) and the server launch.
+
+Paths in the page (examples/, data/, outputs/) are relative to the directory the WebUI starts in,
+as for the CLI; start it from your project folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+from rlfactory.errors import UserError
+
+AUTH_ENV = "RLFACTORY_WEBUI_AUTH"
+CSS = """
+.rf-example { margin: 0 0 10px 0; border: 1px solid var(--border-color-primary); border-radius: 6px; }
+.rf-example-head { font-size: 12px; padding: 4px 8px; background: var(--background-fill-secondary); }
+.rf-tokens { white-space: pre-wrap; word-break: break-word; margin: 0; padding: 6px 8px; font-size: 12px; }
+.rf-tokens span { color: var(--body-text-color-subdued); }
+mark.trained { background: #c7f0c2; color: #14401a; padding: 0; border-radius: 2px; }
+.rf-preview-head { font-size: 13px; margin-bottom: 6px; }
+.rf-error { color: #b00020; white-space: pre-wrap; }
+.rf-progress { height: 14px; background: var(--background-fill-secondary); border-radius: 7px; overflow: hidden; }
+.rf-progress-bar { height: 100%; background: var(--color-accent); transition: width 0.5s; }
+.rf-progress-text { font-size: 13px; margin-top: 4px; }
+"""
+
+
+def build_app() -> Any:
+    """The Blocks app (not launched)."""
+    import gradio as gr
+
+    from rlfactory import __version__
+    from rlfactory.webui.chat_tab import ChatTab, ExportTab
+    from rlfactory.webui.monitor_tab import MonitorTab
+    from rlfactory.webui.train_tab import TrainTab
+
+    with gr.Blocks(title="rlfactory", analytics_enabled=False) as app:
+        gr.Markdown(f"## rlfactory {__version__} · LLM post-training: sft, rm, dpo, kto, orpo, ppo, grpo")
+        with gr.Tabs(elem_id="tabs") as tabs:
+            with gr.Tab("Train", id="train", elem_id="tab-train"):
+                train = TrainTab()
+            with gr.Tab("Monitor", id="monitor", elem_id="tab-monitor"):
+                monitor = MonitorTab()
+            with gr.Tab("Chat", id="chat", elem_id="tab-chat"):
+                chat = ChatTab()
+            with gr.Tab("Export", id="export", elem_id="tab-export"):
+                export = ExportTab()
+        train.wire(tabs, monitor.run)
+        monitor.wire()
+        chat.wire()
+        export.wire()
+        # lists of runs are read when a page opens, not when the app was built
+        app.load(monitor.on_refresh, None, [monitor.run, monitor.runs])
+        app.load(chat.on_refresh, None, chat.path)
+        app.load(export.on_refresh, None, export.path)
+    return app
+
+
+def parse_auth(auth: str | None) -> tuple[str, str] | None:
+    """``user:pass`` from --auth, else from RLFACTORY_WEBUI_AUTH; None when neither is set."""
+    text = auth if auth is not None else os.environ.get(AUTH_ENV)
+    if not text:
+        return None
+    user, sep, password = text.partition(":")
+    if not sep or not user or not password:
+        raise UserError(f"--auth / {AUTH_ENV} must look like user:password")
+    return user, password
+
+
+def serve(host: str = "127.0.0.1", port: int = 7860, share: bool = False, auth: str | None = None) -> None:
+    """Build and serve the app until interrupted."""
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    credentials = parse_auth(auth)
+    if host not in ("127.0.0.1", "localhost", "::1") and credentials is None:
+        print(f"warning: serving on {host} without --auth: anyone who can reach it can start runs", file=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    app = build_app()
+    app.queue(default_concurrency_limit=4)
+    app.launch(
+        server_name=host,
+        server_port=port,
+        share=share,
+        auth=credentials,
+        ssr_mode=False,
+        show_error=True,
+        css=CSS,
+        footer_links=["gradio"],
+    )

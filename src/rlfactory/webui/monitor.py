@@ -1,0 +1,254 @@
+"""What the Monitor tab shows, read from a run's output dir: progress and ETA, the log tail, the metric
+series of trainer_log.jsonl grouped into charts, the list of past runs and the latest rollouts.
+
+Everything is read from files (never from the training process), so a finished or old run is viewed
+exactly like a live one. Files being written are read tolerantly: a half-written last line is skipped.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rlfactory.engine.run_dir import LOG_FILE
+from rlfactory.webui import runner
+
+
+@dataclass(frozen=True)
+class Chart:
+    title: str
+    patterns: tuple[str, ...]  # trainer_log.jsonl keys (fnmatch patterns); each matching key is one series
+
+
+# Plot whichever of these keys the log has, in this order (one chart per entry, several series each).
+CHARTS: tuple[Chart, ...] = (
+    Chart("loss", ("loss", "eval_loss")),
+    Chart("learning rate", ("lr",)),
+    Chart("grad norm", ("grad_norm",)),
+    Chart("reward margin", ("rewards/margins", "eval_rewards/margins")),
+    Chart("preference accuracy", ("rewards/accuracies", "eval_rewards/accuracies")),
+    Chart("score", ("score/mean", "val/score")),
+    Chart("reward components", ("reward/*/mean",)),
+    Chart("policy KL", ("actor/ppo_kl",)),
+    Chart("entropy", ("actor/entropy",)),
+    Chart("response length", ("response_length/mean",)),
+    Chart("clip fraction", ("actor/pg_clipfrac",)),
+    Chart("phase timings (s)", ("timing_s/*",)),
+)
+MAX_CHARTS = len(CHARTS)
+RUNS_ROOT = "outputs"
+
+
+def read_records(output_dir: str | Path) -> list[dict[str, Any]]:
+    """trainer_log.jsonl lines; a line still being written (not valid JSON) is skipped."""
+    path = Path(output_dir) / LOG_FILE
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "step" in record:
+            records.append(record)
+    return records
+
+
+def chart_series(records: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """[(chart title, rows of {step, value, series})] for each chart that has data, in CHARTS order."""
+    keys: list[str] = []
+    for record in records:
+        keys += [k for k in record if k not in keys]
+    charts = []
+    for chart in CHARTS:
+        matched = [k for pattern in chart.patterns for k in keys if fnmatch.fnmatchcase(k, pattern)]
+        rows = [
+            {"step": r["step"], "value": float(r[k]), "series": k}
+            for k in dict.fromkeys(matched)
+            for r in records
+            if isinstance(r.get(k), int | float)
+        ]
+        if rows:
+            charts.append((chart.title, rows))
+    return charts
+
+
+def configured_steps(output_dir: str | Path) -> int | None:
+    """Total optimizer steps: train.max_steps from the run's YAML, else the count the trainer printed."""
+    folder = Path(output_dir)
+    for name in ("config.yaml", runner.YAML_NAME):
+        try:
+            raw = yaml.safe_load((folder / name).read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            continue
+        steps = (raw.get("train") or {}).get("max_steps") if isinstance(raw, dict) else None
+        if steps:
+            return int(steps)
+    match = re.search(r"\b(\d+) steps, batch", log_text(folder, 200))
+    return int(match.group(1)) if match else None
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h {minutes:02d}m" if hours else (f"{minutes}m {secs:02d}s" if minutes else f"{secs}s")
+
+
+def progress(output_dir: str | Path, records: list[dict[str, Any]]) -> tuple[float, str]:
+    """(fraction done, one line: step k/n, percent, elapsed, ETA) from the last log record with timing."""
+    timed = [r for r in records if "eta_s" in r]
+    total = configured_steps(output_dir)
+    if not timed:
+        return 0.0, f"step 0/{total or '?'}: waiting for the first log line"
+    last = timed[-1]
+    step = int(last["step"])
+    total = total or step + 1
+    fraction = min(step / total, 1.0)
+    line = (
+        f"step {step}/{total} ({fraction:.0%}) · elapsed {_duration(last.get('elapsed_s'))}"
+        f" · ETA {_duration(last.get('eta_s'))}"
+    )
+    return fraction, line
+
+
+def log_text(output_dir: str | Path, max_lines: int = 40) -> str:
+    """The last lines of the run's console log; progress-bar redraws (\\r) keep only their last state."""
+    path = Path(output_dir) / runner.LOG_NAME
+    if not path.is_file():
+        return ""
+    with open(path, "rb") as handle:
+        handle.seek(0, 2)
+        handle.seek(max(0, handle.tell() - 64_000))
+        text = handle.read().decode("utf-8", errors="replace")
+    # split on newlines only: str.splitlines() would also split at the \r of every progress-bar redraw
+    lines = [line.rstrip("\r").rsplit("\r", 1)[-1] for line in text.split("\n")]
+    return "\n".join(lines[-max_lines:]).rstrip("\n")
+
+
+def summary(output_dir: str | Path) -> dict[str, Any]:
+    path = Path(output_dir) / "run_summary.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def status_line(output_dir: str | Path) -> str:
+    """Markdown: the run's state and, when finished, where the model went and what it scored."""
+    state = runner.status(output_dir)
+    words = {
+        "running": "● **running**",
+        "finished": "✓ **finished**",
+        "failed": f"✗ **failed** (exit code {state.get('returncode')}): see the log below",
+        "stopped": "■ **stopped** (checkpoints kept; `resume_from_checkpoint: auto` continues the run)",
+        "interrupted": "⚠ **interrupted** (the WebUI that started it went away)",
+    }
+    line = words.get(state["status"], f"**{state['status']}**")
+    done = summary(output_dir)
+    if state["status"] == "finished" and done:
+        line += f": saved {done.get('saved_as')} model to `{done.get('output_dir')}` at step {done.get('global_step')}"
+        eval_loss = (done.get("eval") or {}).get("eval_loss")
+        if eval_loss is not None:
+            line += f", eval loss {eval_loss:.4f}"
+    return line
+
+
+def fingerprint(output_dir: str | Path) -> tuple:
+    """Changes whenever anything the Monitor tab shows may have changed (cheap: stat calls only)."""
+    folder = Path(output_dir)
+    stats = []
+    for name in (LOG_FILE, runner.LOG_NAME, runner.STATE_NAME, "run_summary.json"):
+        try:
+            info = (folder / name).stat()
+            stats.append((name, info.st_mtime_ns, info.st_size))
+        except OSError:
+            stats.append((name, None, None))
+    rollouts = sorted((folder / "rollouts").glob("step_*.jsonl")) if (folder / "rollouts").is_dir() else []
+    return (str(folder), tuple(stats), rollouts[-1].stat().st_mtime_ns if rollouts else None)
+
+
+def list_runs(root: str | Path = RUNS_ROOT) -> list[dict[str, Any]]:
+    """Run folders under ``root`` (a pipeline's stages one level deeper), newest first."""
+    base = Path(root)
+    if not base.is_dir():
+        return []
+    markers = (LOG_FILE, "config.yaml", runner.STATE_NAME)
+    folders = {p.parent for marker in markers for p in [*base.glob(f"*/{marker}"), *base.glob(f"*/*/{marker}")]}
+    rows = []
+    for folder in folders:
+        records = read_records(folder)
+        mtime = max((folder / m).stat().st_mtime for m in markers if (folder / m).exists())
+        rows.append(
+            {
+                "run": str(folder),
+                "stage": _stage_of(folder),
+                "status": runner.status(folder)["status"],
+                "step": records[-1]["step"] if records else 0,
+                "modified": time.strftime("%Y-%m-%d %H:%M", time.localtime(mtime)),
+                "_mtime": mtime,
+            }
+        )
+    rows.sort(key=lambda row: row.pop("_mtime"), reverse=True)
+    return rows
+
+
+def _stage_of(folder: Path) -> str:
+    for name in ("config.yaml", runner.YAML_NAME):
+        try:
+            raw = yaml.safe_load((folder / name).read_text()) or {}
+            return str(raw.get("stage", "?"))
+        except (OSError, yaml.YAMLError, AttributeError):
+            continue
+    return "?"
+
+
+def rollouts(output_dir: str | Path, limit: int = 20) -> tuple[str, list[dict[str, Any]]]:
+    """(file name, rows) of the newest ``rollouts/step_*.jsonl``: prompt, completion, reward, one column
+    per reward component."""
+    folder = Path(output_dir) / "rollouts"
+    files = sorted(folder.glob("step_*.jsonl"), key=lambda p: int(re.sub(r"\D", "", p.stem) or 0))
+    if not files:
+        return "", []
+    rows = []
+    for line in files[-1].read_text(errors="replace").splitlines()[:limit]:
+        try:
+            rows.append(_rollout_row(json.loads(line)))
+        except (ValueError, AttributeError):
+            continue
+    return files[-1].name, rows
+
+
+def _text_of(value: Any) -> str:
+    """A prompt/completion field: plain text, or a list of chat messages shown as 'role: content'."""
+    if isinstance(value, list):
+        return "\n".join(f"{m.get('role')}: {m.get('content')}" if isinstance(m, dict) else str(m) for m in value)
+    return "" if value is None else str(value)
+
+
+def _rollout_row(record: dict[str, Any]) -> dict[str, Any]:
+    row = {
+        "prompt": _text_of(record.get("prompt", record.get("messages"))),
+        "completion": _text_of(record.get("completion", record.get("response"))),
+        "reward": record.get("reward", record.get("score")),
+    }
+    for key in ("answer", "advantage"):
+        if key in record:
+            row[key] = record[key]
+    components = record.get("rewards") or record.get("reward_components") or {}
+    for name, value in components.items() if isinstance(components, dict) else []:
+        row[f"reward/{name}"] = value
+    for key, value in record.items():
+        if key.startswith("reward/"):
+            row[key] = value
+    return row

@@ -1,0 +1,102 @@
+"""The Monitor tab: pick a run (live or old), watch its progress, log, charts and rollouts."""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+import gradio as gr
+import pandas as pd
+
+from rlfactory.webui import monitor, runner
+
+TICK_S = 1.0
+CHARTS_PER_ROW = 3
+
+
+def _progress_html(fraction: float, line: str) -> str:
+    return (
+        f'<div class="rf-progress"><div class="rf-progress-bar" style="width:{fraction * 100:.1f}%"></div></div>'
+        f'<div class="rf-progress-text">{html.escape(line)}</div>'
+    )
+
+
+def _runs_table() -> pd.DataFrame:
+    rows = monitor.list_runs()
+    return pd.DataFrame(rows, columns=["run", "stage", "status", "step", "modified"])
+
+
+class MonitorTab:
+    def __init__(self) -> None:
+        runs = [row["run"] for row in monitor.list_runs()]
+        with gr.Row():
+            self.run = gr.Dropdown(
+                runs, value=None, label="run (output dir)", allow_custom_value=True, elem_id="monitor-run", scale=4
+            )
+            self.refresh_btn = gr.Button("↻ refresh runs", size="sm", scale=1, elem_id="monitor-refresh")
+            self.stop_btn = gr.Button("Stop this run", variant="stop", size="sm", scale=1, elem_id="monitor-stop")
+        self.status = gr.Markdown("pick a run, or press Start on the Train tab", elem_id="monitor-status")
+        self.progress = gr.HTML(elem_id="monitor-progress")
+        self.charts = []
+        for start in range(0, monitor.MAX_CHARTS, CHARTS_PER_ROW):
+            with gr.Row():
+                for index in range(start, min(start + CHARTS_PER_ROW, monitor.MAX_CHARTS)):
+                    plot = gr.LinePlot(
+                        x="step", y="value", color="series", visible=False, elem_id=f"chart-{index}", height=240
+                    )
+                    self.charts.append(plot)
+        self.log = gr.Textbox(
+            label="console log (tail)", lines=12, max_lines=12, autoscroll=True, elem_id="monitor-log"
+        )
+        self.rollouts = gr.Dataframe(label="latest rollouts", visible=False, wrap=True, elem_id="monitor-rollouts")
+        with gr.Accordion("Runs under outputs/", open=True):
+            self.runs = gr.Dataframe(_runs_table(), interactive=False, elem_id="runs-table")
+        self.fingerprint = gr.State(None)
+        self.timer = gr.Timer(TICK_S)
+
+    def outputs(self) -> list[Any]:
+        return [self.status, self.progress, *self.charts, self.log, self.rollouts, self.runs, self.fingerprint]
+
+    def update(self, run: str | None, seen: Any) -> list[Any]:
+        """Everything the tab shows, or gr.skip() for all when nothing changed on disk since ``seen``."""
+        if not run:
+            return [gr.skip()] * len(self.outputs())
+        current = monitor.fingerprint(run)
+        if current == seen:
+            return [gr.skip()] * len(self.outputs())
+        records = monitor.read_records(run)
+        charts = monitor.chart_series(records)
+        plots = []
+        for index in range(monitor.MAX_CHARTS):
+            if index < len(charts):
+                title, rows = charts[index]
+                plots.append(gr.LinePlot(value=pd.DataFrame(rows), label=title, title=title, visible=True))
+            else:
+                plots.append(gr.LinePlot(visible=False))
+        name, rollout_rows = monitor.rollouts(run)
+        rollouts = (
+            gr.Dataframe(value=pd.DataFrame(rollout_rows), label=f"latest rollouts ({name})", visible=True)
+            if rollout_rows
+            else gr.Dataframe(visible=False)
+        )
+        fraction, line = monitor.progress(run, records)
+        status = monitor.status_line(run)
+        runs = _runs_table()  # the run's status or step changed: so did its row
+        return [status, _progress_html(fraction, line), *plots, monitor.log_text(run), rollouts, runs, current]
+
+    def on_stop(self, run: str | None) -> str:
+        return "■ " + runner.stop(run) if run else "pick a run first"
+
+    def on_refresh(self) -> tuple[Any, pd.DataFrame]:
+        return gr.Dropdown(choices=[row["run"] for row in monitor.list_runs()]), _runs_table()
+
+    def on_select(self, table: pd.DataFrame, evt: gr.SelectData) -> Any:
+        return table.iloc[evt.index[0]]["run"] if evt.index is not None else gr.skip()
+
+    def wire(self) -> None:
+        outputs = self.outputs()
+        self.timer.tick(self.update, [self.run, self.fingerprint], outputs, show_progress="hidden")
+        self.run.change(lambda run: self.update(run, None), self.run, outputs, show_progress="hidden")
+        self.stop_btn.click(self.on_stop, self.run, self.status)
+        self.refresh_btn.click(self.on_refresh, None, [self.run, self.runs])
+        self.runs.select(self.on_select, self.runs, self.run)

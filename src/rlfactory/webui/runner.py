@@ -1,0 +1,214 @@
+"""Launch and stop ``rlfactory train`` runs for the WebUI: the same path as the CLI, in a subprocess.
+
+Start validates the form exactly as ``rlfactory config check`` does, writes the YAML into the run's
+output dir (``webui_run.yaml``) and runs ``python -m rlfactory train webui_run.yaml`` in a new session
+(its own process group), with stdout and stderr going to ``webui_run.log`` beside it. The run's state
+(pid, running/finished/failed/stopped, exit code) is kept in ``webui_run.json``, so a WebUI restarted
+later still sees a run that is going on, and the Runs list can tell how old runs ended.
+
+The output dir is prepared here, with the engine's own rules (``engine.run_dir``), before launching:
+``overwrite_output_dir`` wipes it now rather than in the child, which would otherwise delete the log
+file it is writing to; the child then gets ``overwrite_output_dir=false`` on its command line.
+
+One run at a time per output dir: a second Start on a busy dir is refused. Stop terminates the whole
+process tree (SIGTERM, then SIGKILL after a grace period); checkpoints already written stay, so a
+later run with ``resume_from_checkpoint: auto`` continues from the last one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlfactory.config.schema import RunConfig
+from rlfactory.errors import UserError
+
+YAML_NAME = "webui_run.yaml"
+LOG_NAME = "webui_run.log"
+STATE_NAME = "webui_run.json"
+STOP_GRACE_S = 5.0
+
+
+@dataclass
+class _Active:
+    process: subprocess.Popen
+    output_dir: Path
+    stopping: bool = False
+
+
+_ACTIVE: dict[Path, _Active] = {}
+_LOCK = threading.Lock()
+
+
+def validate(raw: dict[str, Any], source: str = "WebUI form") -> RunConfig:
+    """The CLI's validation (schema, then datasets, model path and template); raises UserError."""
+    from rlfactory.config.check import check_config
+    from rlfactory.config.loader import validate_config
+
+    config = validate_config(raw, source)
+    if not isinstance(config, RunConfig):
+        raise UserError("the WebUI runs one stage at a time; run pipeline YAMLs with `rlfactory train`")
+    check_config(config)
+    return config
+
+
+def read_state(output_dir: str | Path) -> dict[str, Any]:
+    path = Path(output_dir) / STATE_NAME
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_state(output_dir: Path, **update: Any) -> None:
+    state = {**read_state(output_dir), **update}
+    (output_dir / STATE_NAME).write_text(json.dumps(state, indent=2))
+
+
+def _alive(pid: int | None) -> bool:
+    import psutil
+
+    if not pid or not psutil.pid_exists(pid):
+        return False
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _busy(key: Path) -> bool:
+    """Call with _LOCK held. ``key`` is a resolved output dir."""
+    active = _ACTIVE.get(key)
+    if active is not None:
+        return active.process.poll() is None
+    state = read_state(key)
+    return state.get("status") == "running" and _alive(state.get("pid"))
+
+
+def is_busy(output_dir: str | Path) -> bool:
+    """A run started by this or another WebUI is still going on in ``output_dir``."""
+    with _LOCK:
+        return _busy(Path(output_dir).resolve())
+
+
+def start(raw: dict[str, Any], yaml_text: str) -> RunConfig:
+    """Validate, prepare the output dir and launch the run; returns its config. Raises UserError."""
+    from rlfactory.engine import run_dir
+
+    config = validate(raw)
+    out = Path(config.output_dir)
+    key = out.resolve()
+    with _LOCK:
+        if _busy(key):
+            raise UserError(
+                f"output_dir '{config.output_dir}' is busy: a run is still going on there; "
+                "stop it first or choose another output_dir"
+            )
+        resume_from = run_dir.resolve_resume(config.output_dir, config.resume_from_checkpoint)
+        run_dir.check_output_dir(config.output_dir, config.overwrite_output_dir, resume_from)
+        run_dir.prepare_output_dir(config.output_dir, config.overwrite_output_dir, resume_from)
+        _ACTIVE[key] = _launch(out, yaml_text)
+    return config
+
+
+def _launch(out: Path, yaml_text: str) -> _Active:
+    (out / YAML_NAME).write_text(yaml_text)
+    command = [sys.executable, "-m", "rlfactory", "train", str(out / YAML_NAME), "overwrite_output_dir=false"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with open(out / LOG_NAME, "w") as log:
+        log.write(f"$ {' '.join(command)}\n")
+        log.flush()
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+        )
+    (out / STATE_NAME).write_text(
+        json.dumps({"status": "running", "pid": process.pid, "started": time.time(), "command": command}, indent=2)
+    )
+    active = _Active(process, out)
+    threading.Thread(target=_watch, args=(active,), daemon=True, name=f"webui-run-{process.pid}").start()
+    return active
+
+
+def _watch(active: _Active) -> None:
+    """Record how the run ended once its process exits."""
+    code = active.process.wait()
+    status = "stopped" if active.stopping else ("finished" if code == 0 else "failed")
+    _write_state(active.output_dir, status=status, returncode=code, ended=time.time())
+
+
+def _tree(pid: int) -> list[Any]:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def kill_tree(pid: int, grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM the process, its group and all its descendants; SIGKILL what is left after ``grace_s``."""
+    import psutil
+
+    procs = _tree(pid)
+    try:
+        os.killpg(pid, signal.SIGTERM)  # the run is a session leader: its pgid is its pid
+    except (ProcessLookupError, PermissionError):
+        pass
+    for proc in procs:
+        try:
+            proc.terminate()
+        except psutil.Error:
+            pass
+    _, survivors = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in survivors:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(survivors, timeout=grace_s)
+
+
+def stop(output_dir: str | Path) -> str:
+    """Stop the run in ``output_dir``; returns a message for the page."""
+    key = Path(output_dir).resolve()
+    with _LOCK:
+        active = _ACTIVE.get(key)
+    pid = active.process.pid if active else read_state(key).get("pid")
+    if not is_busy(key) or pid is None:
+        return f"no run is going on in '{output_dir}'"
+    if active is not None:
+        active.stopping = True
+    kill_tree(int(pid))
+    if active is not None:
+        active.process.wait()
+    else:  # started by an earlier WebUI process: nobody watches it, record the end here
+        _write_state(key, status="stopped", ended=time.time())
+    return f"stopped the run in '{output_dir}' (checkpoints kept: resume_from_checkpoint: auto continues it)"
+
+
+def status(output_dir: str | Path) -> dict[str, Any]:
+    """The run's state: running / finished / failed / stopped / interrupted / unknown, with its details."""
+    folder = Path(output_dir)
+    state = read_state(folder)
+    with _LOCK:
+        active = _ACTIVE.get(folder.resolve())
+    if active is not None and active.process.poll() is not None and state.get("status") == "running":
+        code = active.process.returncode  # ended a moment ago; the watcher is about to record it
+        state["status"] = "stopped" if active.stopping else ("finished" if code == 0 else "failed")
+        state["returncode"] = code
+    elif state.get("status") == "running" and not is_busy(folder):
+        # the WebUI that watched it went away before it ended: judge by what the run left
+        state["status"] = "finished" if (folder / "run_summary.json").is_file() else "interrupted"
+    if not state:
+        done = (folder / "run_summary.json").is_file()
+        state = {"status": "finished" if done else ("unknown" if folder.is_dir() else "not started")}
+    return state

@@ -1,0 +1,209 @@
+"""The Train tab: a form generated from the config schema, dataset preview, YAML tools, Start and Stop."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+from rlfactory.errors import UserError
+from rlfactory.webui import preview, runner
+from rlfactory.webui import schema_form as sf
+
+# Shown first, above the sections, in this order (they still come from the schema).
+ESSENTIALS = ("stage", "model.name_or_path", "model.template", "data.dataset")
+EXAMPLES_DIR = "examples"
+FIELDS_PER_ROW = 3
+
+
+def error_md(exc: Exception) -> str:
+    return f"✗ **Error**\n```text\n{exc}\n```"
+
+
+def _widget_overrides(spec: sf.FieldSpec, datasets: list[str]) -> sf.FieldSpec:
+    """Registry-backed choices for dataset names; the named templates for model.template."""
+    from rlfactory.render.templates import TEMPLATES
+
+    if spec.path in ("data.dataset", "data.eval_dataset"):
+        return dataclasses.replace(spec, kind="multi", choices=tuple(datasets))
+    if spec.path == "evaluation.dataset":
+        return dataclasses.replace(spec, kind="enum", choices=("", *datasets))
+    if spec.path == "model.template":
+        return dataclasses.replace(spec, kind="enum", choices=("", *TEMPLATES))
+    return spec
+
+
+def _choice_label(spec: sf.FieldSpec, choice: str) -> tuple[str, str]:
+    empty = {"model.template": "(the tokenizer's own)", "evaluation.dataset": "(none)"}
+    return (empty.get(spec.path, "(unset)") if choice == "" else choice, choice)
+
+
+def make_widget(spec: sf.FieldSpec) -> Any:
+    """One Gradio input for a schema field: label = YAML key, help = the field's description."""
+    common = {"label": spec.key, "info": spec.info, "elem_id": "field-" + spec.path.replace(".", "-")}
+    value = sf.default_form_value(spec)
+    if spec.kind == "bool":
+        return gr.Checkbox(value=value, **common)
+    if spec.kind in ("enum", "multi"):
+        choices = [_choice_label(spec, c) for c in spec.choices]
+        multi = spec.kind == "multi"
+        return gr.Dropdown(choices, value=value, multiselect=multi, allow_custom_value=True, **common)
+    if spec.kind in ("int", "float"):
+        return gr.Number(value=value, precision=0 if spec.kind == "int" else None, **common)
+    return gr.Textbox(value=value, lines=1, **common)
+
+
+def example_yamls() -> list[str]:
+    return sorted(str(p) for p in Path(EXAMPLES_DIR).rglob("*.yaml"))
+
+
+class TrainTab:
+    """Builds the tab; ``specs``/``widgets`` are in schema order and stay aligned."""
+
+    def __init__(self) -> None:
+        datasets = preview.registered_datasets()
+        self.sections = sf.form_sections()
+        for section in self.sections:
+            section.fields = [_widget_overrides(f, datasets) for f in section.fields]
+        self.specs = sf.all_fields(self.sections)
+        self.widgets: dict[str, Any] = {}
+        self.stage_groups: dict[str, Any] = {}
+        self.build()
+
+    # ------------------------------------------------------------------ layout
+    def _rows(self, specs: list[sf.FieldSpec]) -> None:
+        for start in range(0, len(specs), FIELDS_PER_ROW):
+            with gr.Row():
+                for spec in specs[start : start + FIELDS_PER_ROW]:
+                    self.widgets[spec.path] = make_widget(spec)
+
+    def build(self) -> None:
+        by_path = {s.path: s for s in self.specs}
+        gr.Markdown("Fill the fields (every one is a key of the run YAML), preview the data, then **Start**.")
+        with gr.Row():
+            for path in ESSENTIALS:
+                self.widgets[path] = make_widget(by_path[path])
+        with gr.Accordion("Dataset preview: what the model sees", open=False, elem_id="preview-accordion"):
+            with gr.Row():
+                self.prev_btn = gr.Button("◀ previous", size="sm", elem_id="preview-prev")
+                self.show_btn = gr.Button("Show examples", size="sm", variant="secondary", elem_id="preview-show")
+                self.next_btn = gr.Button("next ▶", size="sm", elem_id="preview-next")
+                self.page = gr.Number(value=0, visible=False, precision=0)
+            self.preview_html = gr.HTML(elem_id="preview-html")
+        for section in self.sections:
+            rest = [s for s in section.fields if s.path not in ESSENTIALS]
+            title = f"{section.name or 'run'}: {section.description}"
+            visible = not section.stages or "sft" in section.stages
+            with gr.Accordion(
+                title, open=not section.name, visible=visible, elem_id=f"section-{section.name or 'run'}"
+            ) as acc:
+                self._rows(rest)
+            if section.stages:
+                self.stage_groups[section.name] = acc
+        self._buttons()
+
+    def _buttons(self) -> None:
+        with gr.Row():
+            self.validate_btn = gr.Button("Validate", elem_id="btn-validate")
+            self.preview_btn = gr.Button("Preview YAML", elem_id="btn-preview-yaml")
+            self.start_btn = gr.Button("Start", variant="primary", elem_id="btn-start")
+            self.stop_btn = gr.Button("Stop", variant="stop", elem_id="btn-stop")
+        with gr.Row():
+            self.load_path = gr.Dropdown(
+                example_yamls(), label="YAML to load", allow_custom_value=True, elem_id="load-path", scale=3
+            )
+            self.load_btn = gr.Button("Load YAML", elem_id="btn-load", scale=1)
+            self.save_path = gr.Textbox("outputs/webui/run.yaml", label="save to", elem_id="save-path", scale=3)
+            self.save_btn = gr.Button("Save YAML", elem_id="btn-save", scale=1)
+        self.message = gr.Markdown(elem_id="train-message")
+        self.yaml_view = gr.Code(language="yaml", label="run YAML", elem_id="yaml-view", interactive=False)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def inputs(self) -> list[Any]:
+        return [self.widgets[s.path] for s in self.specs]
+
+    def raw(self, values: tuple[Any, ...]) -> dict[str, Any]:
+        return sf.form_to_raw(self.sections, list(values))
+
+    def stage_visibility(self, stage: str) -> list[Any]:
+        return [gr.Accordion(visible=stage in self._section(name).stages) for name in self.stage_groups]
+
+    def _section(self, name: str) -> sf.SectionSpec:
+        return next(s for s in self.sections if s.name == name)
+
+    # ------------------------------------------------------------------ handlers
+    def on_preview_yaml(self, *values: Any) -> tuple[str, str]:
+        try:
+            return "", sf.raw_to_yaml(self.raw(values))
+        except UserError as exc:
+            return error_md(exc), ""
+
+    def on_validate(self, *values: Any) -> tuple[str, str]:
+        try:
+            raw = self.raw(values)
+            config = runner.validate(raw)
+        except UserError as exc:
+            return error_md(exc), gr.skip()
+        return f"✓ valid: stage {config.stage}, output_dir `{config.output_dir}`", sf.raw_to_yaml(raw)
+
+    def on_save(self, path: str, *values: Any) -> str:
+        try:
+            text = sf.raw_to_yaml(self.raw(values))
+        except UserError as exc:
+            return error_md(exc)
+        target = Path(path.strip() or "outputs/webui/run.yaml")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+        return f"✓ saved `{target}` (run it with `rlfactory train {target}`)"
+
+    def on_load(self, path: str) -> list[Any]:
+        from rlfactory.config.loader import read_yaml
+
+        try:
+            raw = read_yaml(path or "")
+            if "stages" in raw:
+                raise UserError(f"{path} is a pipeline (`stages:`); run pipelines with `rlfactory train {path}`")
+        except UserError as exc:
+            return [gr.skip()] * len(self.specs) + [gr.skip()] * len(self.stage_groups) + [error_md(exc)]
+        values, unknown = sf.raw_to_form(self.sections, raw)
+        note = f"✓ loaded `{path}`" + (f"; keys the form does not know: {', '.join(unknown)}" if unknown else "")
+        return [*values, *self.stage_visibility(str(raw.get("stage", "sft"))), note]
+
+    def on_preview_page(self, page: float, delta: int, *values: Any) -> tuple[str, int]:
+        try:
+            body, shown = preview.preview_page(self.raw(values), int(page or 0) + delta)
+        except UserError as exc:
+            return f'<pre class="rf-error">{exc}</pre>', int(page or 0)
+        return body, shown
+
+    def on_start(self, *values: Any) -> tuple[str, str, Any, str]:
+        try:
+            raw = self.raw(values)
+            text = sf.raw_to_yaml(raw)
+            config = runner.start(raw, text)
+        except UserError as exc:
+            return error_md(exc), gr.skip(), gr.skip(), gr.skip()
+        message = f"▶ started `rlfactory train {config.output_dir}/{runner.YAML_NAME}`"
+        return message, text, gr.Tabs(selected="monitor"), config.output_dir
+
+    def on_stop(self, output_dir: str) -> str:
+        return "■ " + runner.stop(output_dir or "outputs/run")
+
+    def wire(self, tabs: Any, monitor_run: Any) -> None:
+        inputs = self.inputs
+        self.widgets["stage"].change(self.stage_visibility, self.widgets["stage"], list(self.stage_groups.values()))
+        self.preview_btn.click(self.on_preview_yaml, inputs, [self.message, self.yaml_view])
+        self.validate_btn.click(self.on_validate, inputs, [self.message, self.yaml_view])
+        self.save_btn.click(self.on_save, [self.save_path, *inputs], self.message)
+        self.load_btn.click(self.on_load, self.load_path, [*inputs, *self.stage_groups.values(), self.message])
+        for button, delta in ((self.show_btn, 0), (self.prev_btn, -1), (self.next_btn, 1)):
+            button.click(
+                lambda page, *v, d=delta: self.on_preview_page(page, d, *v),
+                [self.page, *inputs],
+                [self.preview_html, self.page],
+            )
+        self.start_btn.click(self.on_start, inputs, [self.message, self.yaml_view, tabs, monitor_run])
+        self.stop_btn.click(self.on_stop, self.widgets["output_dir"], self.message)

@@ -1,0 +1,199 @@
+"""Preference data path shared by rm/dpo/kto/orpo: rendering, truncation, the concatenated batch, log-probs.
+
+No training here: token-exact masks, the one-forward batch against separate forwards computed by hand,
+truncation counts, loss-type checks, KTO's mismatched KL rows and the RM loss against TRL's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tests.conftest import DATA_DIR, TINY_MODEL
+
+from rlfactory.config.loader import validate_config
+from rlfactory.config.schema import ModelConfig
+from rlfactory.data.loader import load_examples
+from rlfactory.errors import UserError
+from rlfactory.model.loader import load_tokenizer
+from rlfactory.stages import dpo, kto, preference_data, rm
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(ModelConfig(name_or_path=str(TINY_MODEL)))
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def _pairs(n: int) -> list[dict]:
+    return load_examples(["arith_pref_test"], "pairwise", str(DATA_DIR), max_samples=n)
+
+
+def _cfg(**data) -> object:
+    return validate_config(
+        {"stage": "dpo", "model": {"name_or_path": str(TINY_MODEL)}, "data": {"dataset": "arith_pref", **data}}, "test"
+    )
+
+
+def _by_hand(model, prompt: list[int], response: list[int], mask: list[bool]) -> tuple[float, float]:
+    """Summed and averaged log-probs of the masked response tokens, one unpadded sequence, full log_softmax."""
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logp = F.log_softmax(model(input_ids=ids).logits[0].double(), dim=-1)
+    picked = [float(logp[len(prompt) + j - 1, tok]) for j, (tok, m) in enumerate(zip(response, mask, strict=True)) if m]
+    return sum(picked), sum(picked) / len(picked)
+
+
+def test_concatenated_forward_equals_separate_forwards(tokenizer, model):
+    examples = _pairs(8)
+    items = preference_data.render_pairs(_cfg(), tokenizer, examples)
+    batch = preference_data.collate_pairs(tokenizer.pad_token_id)(items)
+    assert batch["input_ids"].shape[0] == 2 * len(items)
+    assert len({len(it["prompt_ids"]) + len(it["chosen_ids"]) for it in items} | {
+        len(it["prompt_ids"]) + len(it["rejected_ids"]) for it in items
+    }) > 1  # rows of different lengths: padding is exercised
+    with torch.no_grad():
+        sums, means = preference_data.forward_logps(model, batch)
+    rows = [(it["prompt_ids"], it["chosen_ids"], it["chosen_mask"]) for it in items]
+    rows += [(it["prompt_ids"], it["rejected_ids"], it["rejected_mask"]) for it in items]
+    for row, (prompt, response, mask) in enumerate(rows):
+        total, mean = _by_hand(model, prompt, response, mask)
+        assert float(sums[row]) == pytest.approx(total, abs=1e-4)
+        assert float(means[row]) == pytest.approx(mean, abs=1e-5)
+
+
+def test_loss_mask_is_token_exact(tokenizer):
+    example = _pairs(1)[0]
+    item = preference_data.render_pairs(_cfg(), tokenizer, [example])[0]
+    assert item["prompt_ids"] == preference_data.render_pair(tokenizer, example)["prompt_ids"]
+    batch = preference_data.collate_pairs(tokenizer.pad_token_id)([item, item])
+    for row, side in ((0, "chosen"), (2, "rejected")):
+        trained = batch["input_ids"][row][batch["loss_mask"][row]].tolist()
+        # exactly the assistant turn and its end-of-turn token: no prompt, no "\n" glue, no padding
+        assert tokenizer.decode(trained) == example[side][0]["content"] + "<|im_end|>"
+        n = len(item["prompt_ids"]) + len(item[f"{side}_ids"])
+        assert not batch["loss_mask"][row, : len(item["prompt_ids"])].any()
+        assert not batch["loss_mask"][row, n:].any() and not batch["attention_mask"][row, n:].any()
+    assert tokenizer.decode(item["prompt_ids"]).endswith("<|im_start|>assistant\n")
+
+
+def test_truncation_cuts_the_prompt_from_the_left_or_drops(tokenizer, caplog):
+    assert preference_data.fit_prompt([1, 2, 3, 4], 3, 10, "right") == [1, 2, 3, 4]
+    assert preference_data.fit_prompt([1, 2, 3, 4], 8, 10, "right") == [3, 4]
+    assert preference_data.fit_prompt([1, 2, 3, 4], 8, 10, "drop") is None
+    assert preference_data.fit_prompt([1, 2, 3, 4], 10, 10, "right") is None  # no prompt token left
+    examples = _pairs(4)
+    full = preference_data.render_pairs(_cfg(), tokenizer, examples)
+    longest = max(max(len(it["chosen_ids"]), len(it["rejected_ids"])) for it in full)
+    cutoff = longest + 5
+    with caplog.at_level(logging.WARNING):
+        cut = preference_data.render_pairs(_cfg(cutoff_len=cutoff), tokenizer, examples)
+    assert len(cut) == 4 and "4 example(s) longer than data.cutoff_len" in caplog.text
+    for before, after in zip(full, cut, strict=True):
+        assert after["chosen_ids"] == before["chosen_ids"] and after["prompt_ids"] == before["prompt_ids"][-len(
+            after["prompt_ids"]
+        ) :]
+        assert len(after["prompt_ids"]) + max(len(after["chosen_ids"]), len(after["rejected_ids"])) <= cutoff
+    with pytest.raises(UserError, match="no example fits data.cutoff_len"):
+        preference_data.render_pairs(_cfg(cutoff_len=cutoff, truncation="drop"), tokenizer, examples)
+
+
+def test_dpo_loss_type_checks():
+    with pytest.raises(UserError) as err:
+        dpo.check_loss_type("sigmod")
+    assert "did you mean 'sigmoid'" in str(err.value)
+    for name in ("sigmoid", "ipo", "hinge", "robust", "simpo"):
+        assert name in str(err.value)
+        dpo.check_loss_type(name)
+    for name in ("orpo", "kto"):
+        with pytest.raises(UserError, match=f"objective of stage {name}"):
+            dpo.check_loss_type(name)
+
+
+def test_kto_splits_pairs_and_kl_rows_never_reuse_the_prompt(tokenizer):
+    pairs = _pairs(3)
+    examples = kto.split_pairs(pairs)
+    assert [e["label"] for e in examples] == [True, False] * 3
+    assert examples[1]["messages"][-1] == pairs[0]["rejected"][0]
+    cfg = validate_config(
+        {"stage": "kto", "model": {"name_or_path": str(TINY_MODEL)}, "data": {"dataset": "arith_kto"}}, "test"
+    )
+    items = kto.render_unpaired(cfg, tokenizer, examples)
+    batch = kto.collate_unpaired(tokenizer.pad_token_id, 256)(items)
+    assert batch["desirable"].tolist() == [True, False] * 3
+    for row, other in enumerate(kto.mismatched(items)):
+        assert other["prompt_ids"] != items[row]["prompt_ids"]
+        kl_trained = batch["kl_input_ids"][row][batch["kl_loss_mask"][row]].tolist()
+        assert kl_trained == [t for t, m in zip(other["ids"], other["mask"], strict=True) if m]
+    with pytest.raises(UserError, match="only desirable"):
+        kto.check_labels([e for e in examples if e["label"]], ["mine"], cfg.kto)
+
+
+def test_reward_loss_matches_trl_reward_trainer(tokenizer, tmp_path):
+    """Our summed Bradley-Terry loss / pairs == TRL 1.16 RewardTrainer.compute_loss on the same model and batch."""
+    from datasets import Dataset
+    from trl import RewardConfig, RewardTrainer
+
+    cfg = validate_config(
+        {"stage": "rm", "model": {"name_or_path": str(TINY_MODEL), "finetuning": "full"},
+         "data": {"dataset": "arith_pref"}, "rm": {"center_rewards_coefficient": 0.01}}, "test"
+    )
+    from rlfactory.model.heads import load_reward_model_for_training
+
+    model = load_reward_model_for_training(cfg, tokenizer.pad_token_id)
+    torch.nn.init.normal_(model.score.weight, std=0.5)  # rewards far from 0, so the centering term matters
+    model.train()  # TRL files metrics under the mode; dropout is 0 in the tiny model
+    items = preference_data.render_pairs(cfg, tokenizer, _pairs(6))
+    batch = preference_data.collate_pairs(tokenizer.pad_token_id)(items)
+    batch["margin"] = torch.linspace(0.0, 1.0, len(items))
+    section = cfg.rm.model_copy(update={"margin_column": True})
+    ours, metrics = rm.make_loss(section)(model, batch)
+    data = Dataset.from_dict({"chosen": ["a"], "rejected": ["b"]})
+    args = RewardConfig(
+        output_dir=str(tmp_path), center_rewards_coefficient=0.01, report_to=[], use_cpu=True, bf16=False
+    )
+    trainer = RewardTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "margin": batch["margin"]}
+    theirs = trainer.compute_loss(model, inputs)
+    assert float(ours) / len(items) == pytest.approx(float(theirs), rel=1e-5)
+    assert metrics["accuracy"] == pytest.approx(trainer._metrics["train"]["accuracy"][-1])
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "robust", "ipo", "hinge", "simpo"])
+def test_every_dpo_loss_type_on_one_batch(tokenizer, model, loss_type):
+    """Policy == reference: DPO-family losses sit at their value for a zero margin; precomputed == live reference;
+    sft_weight (RPO) adds exactly the chosen responses' mean token NLL."""
+    from rlfactory.config.schema import DPOConfig
+    from rlfactory.stages import reference
+
+    section = DPOConfig(loss_type=loss_type, beta=0.5, simpo_gamma=0.0)
+    loss, traits = dpo.check_loss_type(loss_type)
+    items = preference_data.render_pairs(_cfg(), tokenizer, _pairs(4))
+    collate = preference_data.collate_pairs(tokenizer.pad_token_id)
+    live = None if traits["reference_free"] else reference.frozen(model)
+    with torch.no_grad():
+        total, metrics = dpo.make_loss(section, loss, traits, live)(model, collate(items))
+        # -log sigmoid(0) = log 2; ipo (0 - 1/(2 beta))^2 = 1; hinge max(0, 1 - 0) = 1
+        zero_margin = {"sigmoid": math.log(2), "robust": math.log(2), "ipo": 1.0, "hinge": 1.0}
+        if loss_type != "simpo":  # simpo compares chosen with rejected directly: not zero at the start
+            assert float(total) / len(items) == pytest.approx(zero_margin[loss_type], rel=1e-5)
+            assert metrics["rewards/margins"] == 0.0
+        if live is not None:
+            reference.precompute_pairs(None, _cfg(), model, [items], collate=collate, batch_size=3,
+                                       length_normalised=traits["length_normalised"])
+            precomputed, _ = dpo.make_loss(section, loss, traits, None)(model, collate(items))
+            assert float(precomputed) == pytest.approx(float(total), rel=1e-6)
+        with_nll, _ = dpo.make_loss(section.model_copy(update={"sft_weight": 1.0}), loss, traits, live)(
+            model, collate(items)
+        )
+        _, means = preference_data.forward_logps(model, collate(items))
+    assert float(with_nll - total) == pytest.approx(float(-means[: len(items)].sum()), rel=1e-5)

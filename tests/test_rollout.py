@@ -1,0 +1,116 @@
+"""Rollout layer: the packed batch layout (token-exact), the HF backend (stop/length, sampling settings that a
+checkpoint's generation_config cannot override), and token-in/token-out log-probs on padded batches."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from tests.conftest import DATA_DIR, TINY_MODEL
+
+from rlfactory.rollout.base import Completion, SamplingParams
+from rlfactory.rollout.batch import pack_rollouts, response_logits
+
+PAD = 0
+
+
+def test_pack_layout_is_token_exact():
+    prompts = [[11, 12, 13], [21]]
+    completions = [Completion([31, 32], "stop"), Completion([41, 42, 43, 44], "length", mask=[1, 1, 0, 1])]
+    batch = pack_rollouts(prompts, completions, PAD, mask_truncated=False)
+    assert batch["input_ids"].tolist() == [[11, 12, 13, 31, 32, 0, 0], [0, 0, 21, 41, 42, 43, 44]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1, 1]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 4, 4], [0, 0, 0, 1, 2, 3, 4]]
+    assert batch["responses"].tolist() == [[31, 32, 0, 0], [41, 42, 43, 44]]
+    assert batch["response_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 0, 1]]  # a tool token (mask 0) is not trained
+    assert batch["loss_mask"].tolist() == batch["response_mask"].tolist()
+    assert batch["response_length"].tolist() == [2, 4] and batch["truncated"].tolist() == [False, True]
+    masked = pack_rollouts(prompts, completions, PAD, mask_truncated=True)
+    assert masked["loss_mask"].tolist() == [[1, 1, 0, 0], [0, 0, 0, 0]]  # truncated: out of the loss ...
+    assert masked["response_mask"].tolist() == batch["response_mask"].tolist()  # ... but still scored
+
+
+def test_response_logits_predict_response_tokens():
+    logits = torch.arange(7.0)[None, :, None]  # position t "predicts" t + 1
+    assert response_logits(logits, 4)[0, :, 0].tolist() == [2.0, 3.0, 4.0, 5.0]  # P = 3: positions 2..5
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(TINY_MODEL), AutoTokenizer.from_pretrained(TINY_MODEL)
+
+
+def _prompts(tokenizer, n: int) -> list[list[int]]:
+    from rlfactory.render.chat import render_prompt
+
+    rows = [json.loads(line) for line in (DATA_DIR / "arith" / "prompts_test.jsonl").read_text().splitlines()[:n]]
+    return [render_prompt(tokenizer, row["messages"]) for row in rows]
+
+
+def test_hf_backend_stops_at_end_of_turn_or_length(tiny):
+    from rlfactory.rollout.hf import HFBackend
+
+    model, tokenizer = tiny
+    stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    backend = HFBackend(model, tokenizer, batch_size=3)
+    prompts = _prompts(tokenizer, 4)
+    out = backend.generate(prompts, SamplingParams(max_tokens=64, temperature=0))
+    assert len(out) == 4 and all(c.finish_reason == "stop" and c.token_ids[-1] == stop for c in out)
+    assert all(stop not in c.token_ids[:-1] for c in out)
+    short = backend.generate(prompts, SamplingParams(max_tokens=3, temperature=1.0))
+    assert all(c.finish_reason == "length" and len(c.token_ids) == 3 for c in short if stop not in c.token_ids)
+    # greedy equals greedy one prompt at a time: padding never changes what is generated
+    alone = HFBackend(model, tokenizer, batch_size=1).generate(prompts, SamplingParams(64, temperature=0))
+    assert [c.token_ids for c in alone] == [c.token_ids for c in out]
+
+
+def test_checkpoint_generation_config_cannot_change_sampling(tiny, tmp_path: Path):
+    """Qwen ships top_k=20 / repetition_penalty in generation_config.json: rollouts must ignore them."""
+    from transformers import AutoModelForCausalLM
+
+    from rlfactory.rollout.hf import _sampling_kwargs
+
+    shutil.copytree(TINY_MODEL, tmp_path / "m")
+    (tmp_path / "m" / "generation_config.json").write_text(
+        json.dumps({"top_k": 20, "top_p": 0.8, "temperature": 0.7, "repetition_penalty": 1.05, "do_sample": True})
+    )
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    config, _ = model._prepare_generation_config(
+        None, repetition_penalty=1.0, **_sampling_kwargs(SamplingParams(8, temperature=1.0))
+    )
+    assert (config.do_sample, config.temperature, config.top_k, config.top_p, config.repetition_penalty) == (
+        True,
+        1.0,
+        0,
+        1.0,
+        1.0,
+    )
+
+
+def test_logprobs_of_a_padded_batch_equal_unpadded_forwards(tiny):
+    """Token-in, token-out: the log-prob of each sampled token, read from the padded batch, is the one the
+    model gives that token after exactly its own prompt and earlier response tokens."""
+    from rlfactory.algos.common import token_logprobs
+    from rlfactory.rollout.hf import HFBackend
+    from rlfactory.stages.online_update import policy_forward
+
+    model, tokenizer = tiny
+    prompts = _prompts(tokenizer, 3)
+    torch.manual_seed(1)
+    out = HFBackend(model, tokenizer).generate([prompts[0], prompts[1], prompts[2]], SamplingParams(24, 1.0))
+    batch = pack_rollouts(prompts, out, tokenizer.pad_token_id)
+    with torch.no_grad():
+        logprobs, entropy = policy_forward(model, batch, torch.arange(3), entropy="metric")
+        for row, (prompt, completion) in enumerate(zip(prompts, out, strict=True)):
+            ids = torch.tensor([prompt + completion.token_ids])
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+            expected = token_logprobs(logits[None], torch.tensor([completion.token_ids]))[0]
+            n = len(completion.token_ids)
+            assert torch.allclose(logprobs[row, :n], expected, atol=1e-5)
+            assert (logprobs[row, n:] == 0).all() and (entropy[row, n:] == 0).all()

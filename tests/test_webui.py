@@ -1,0 +1,539 @@
+"""The WebUI driven in a real headless Chromium (Playwright): form -> Start -> live charts -> finished;
+Stop (process tree gone, checkpoint kept) -> resume -> Export; bad values -> a clear error in the page; Chat.
+Then the parts without a browser: schema -> form, YAML round trip, monitor readers, tool calls, CLI options.
+
+The app runs as a subprocess (``python -m rlfactory webui``) in a scratch folder that links examples/
+and data/, so its outputs/ never touch the repository. Each tab is screenshotted to docs/images/.
+The browser tests need /usr/bin/chromium (`.ci/run` installs it) and the `webui` + `dev` extras
+(gradio, playwright); without them they skip and say why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from tests.conftest import DATA_DIR, ROOT, TINY_MODEL
+
+from rlfactory.engine.run_dir import list_checkpoints
+
+try:
+    from playwright.sync_api import expect
+except ImportError:  # the browser tests skip; the others still run
+    expect = None
+
+CHROMIUM = "/usr/bin/chromium"
+BROWSER_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+IMAGES = ROOT / "docs" / "images"
+QUICKSTART = "examples/quickstart/sft.yaml"
+RUN_TIMEOUT_MS = 150_000
+
+
+# --------------------------------------------------------------------------- fixtures
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_http(url: str, process: subprocess.Popen, timeout: float = 90) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the WebUI exited with code {process.returncode}")
+        try:
+            if urllib.request.urlopen(url, timeout=2).status == 200:
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"the WebUI did not answer at {url} within {timeout} s")
+
+
+def _kill_leftover_runs(workdir: Path) -> None:
+    from rlfactory.webui import runner
+
+    for state_file in (workdir / "outputs").rglob(runner.STATE_NAME):
+        state = json.loads(state_file.read_text())
+        if state.get("status") == "running" and state.get("pid"):
+            runner.kill_tree(int(state["pid"]), grace_s=2)
+
+
+def _browser_stack():
+    """The Playwright sync API, or a skip with the reason (only the browser tests need these)."""
+    if not Path(CHROMIUM).is_file():
+        pytest.skip(f"{CHROMIUM} not found: install it (apt-get install -y chromium) to run the browser tests")
+    pytest.importorskip("gradio", reason="the WebUI needs the webui extra (gradio)")
+    return pytest.importorskip("playwright.sync_api", reason="the browser tests need playwright (dev extra)")
+
+
+@pytest.fixture(scope="module")
+def app_url(tmp_path_factory: pytest.TempPathFactory):
+    """The WebUI served from a scratch folder (examples/ and data/ linked in)."""
+    _browser_stack()
+    workdir = tmp_path_factory.mktemp("webui")
+    for name in ("examples", "data"):
+        (workdir / name).symlink_to(ROOT / name)
+    port = _free_port()
+    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
+    log = open(workdir / "webui.log", "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rlfactory", "webui", "--port", str(port)],
+        cwd=workdir,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        _wait_http(url, process)
+        yield url, workdir
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
+        _kill_leftover_runs(workdir)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = _browser_stack()
+    with sync_api.sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=BROWSER_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(browser, app_url):
+    url, _ = app_url
+    context = browser.new_context(viewport={"width": 1360, "height": 900})
+    page = context.new_page()
+    page.goto(url)
+    expect(page.locator("#btn-start")).to_be_visible(timeout=30_000)
+    yield page
+    context.close()
+
+
+# --------------------------------------------------------------------------- page helpers
+def box(page, elem_id: str):
+    """The text/number input inside a Gradio component."""
+    return page.locator(f"#{elem_id}").locator("input, textarea").first
+
+
+def set_field(page, path: str, value) -> None:
+    field = box(page, "field-" + path.replace(".", "-"))
+    field.fill(str(value))
+    field.press("Tab")
+    expect(field).to_have_value(str(value))
+
+
+def open_section(page, name: str) -> None:
+    section = page.locator(f"#section-{name}")
+    if not section.locator("input, textarea").first.is_visible():
+        section.locator(".label-wrap").first.click()
+    expect(section.locator("input, textarea").first).to_be_visible()
+
+
+def load_yaml(page, path: str) -> None:
+    """Load a YAML into the form and wait until its values are in the fields (not only the message)."""
+    chooser = box(page, "load-path")
+    chooser.fill(path)
+    chooser.press("Enter")
+    page.locator("#btn-load").click()
+    expect(page.locator("#train-message")).to_contain_text(f"loaded {path}", timeout=20_000)
+    output_dir = yaml.safe_load((ROOT / path if not Path(path).is_absolute() else Path(path)).read_text())["output_dir"]
+    expect(box(page, "field-output_dir")).to_have_value(output_dir)
+
+
+def fill_quickstart(page, output_dir: str, max_steps: int) -> None:
+    """The bundled quickstart, cut down to a few steps and a few held-out prompts."""
+    load_yaml(page, QUICKSTART)
+    set_field(page, "model.name_or_path", TINY_MODEL)
+    set_field(page, "output_dir", output_dir)
+    for section, values in {
+        "data": {"data.max_samples": 64},
+        "train": {"train.max_steps": max_steps},
+        "logging": {"logging.logging_steps": 1},
+        "evaluation": {"evaluation.max_samples": 4, "evaluation.max_new_tokens": 16},
+    }.items():
+        open_section(page, section)
+        for path, value in values.items():
+            set_field(page, path, value)
+
+
+def start_run(page) -> None:
+    page.locator("#btn-start").click()
+    expect(page.locator("#monitor-status")).to_contain_text("running", timeout=60_000)
+
+
+def shot(page, name: str, height: int | None = None) -> None:
+    """Screenshot to docs/images/: the whole page, or its top ``height`` pixels."""
+    IMAGES.mkdir(parents=True, exist_ok=True)
+    clip = {"x": 0, "y": 0, "width": page.viewport_size["width"], "height": height} if height else None
+    page.screenshot(path=str(IMAGES / name), full_page=True, clip=clip)
+
+
+def run_state(workdir: Path, output_dir: str) -> dict:
+    return json.loads((workdir / output_dir / "webui_run.json").read_text())
+
+
+# --------------------------------------------------------------------------- tests
+def test_quickstart_start_to_finish(page, app_url):
+    """Fill the quickstart form, preview the data, Start: the loss chart and the final status appear."""
+    _, workdir = app_url
+    fill_quickstart(page, "outputs/quickstart-sft", max_steps=4)
+    page.locator("#preview-accordion .label-wrap").first.click()
+    page.locator("#preview-show").click()
+    expect(page.locator("#preview-html mark.trained").first).to_be_visible(timeout=30_000)
+    expect(page.locator("#preview-html")).to_contain_text("of 64")
+    shot(page, "train.png", height=1500)
+    box(page, "save-path").fill("saved/quick.yaml")
+    page.locator("#btn-save").click()
+    expect(page.locator("#train-message")).to_contain_text("saved saved/quick.yaml", timeout=20_000)
+    assert yaml.safe_load((workdir / "saved/quick.yaml").read_text())["train"]["max_steps"] == 4
+
+    start_run(page)
+    expect(page.locator("#monitor-status")).to_contain_text("finished", timeout=RUN_TIMEOUT_MS)
+    loss_chart = page.locator("#chart-0")
+    expect(loss_chart).to_be_visible()
+    expect(loss_chart).to_contain_text("loss")
+    expect(loss_chart.locator("canvas, svg").first).to_be_visible()
+    expect(page.locator("#monitor-progress")).to_contain_text("step 4/4")
+    expect(page.locator("#monitor-log")).not_to_be_empty()
+    page.wait_for_timeout(1500)  # let the charts finish drawing
+    shot(page, "monitor.png")
+    assert (workdir / "outputs/quickstart-sft/run_summary.json").is_file()
+    assert yaml.safe_load((workdir / "outputs/quickstart-sft/webui_run.yaml").read_text())["train"]["max_steps"] == 4
+
+
+def _long_lora_yaml(workdir: Path, output_dir: str) -> str:
+    """The quickstart as a LoRA run of many steps with a checkpoint every 2 steps and no evaluation."""
+    raw = yaml.safe_load((ROOT / QUICKSTART).read_text())
+    raw["output_dir"] = output_dir
+    raw["model"].update(name_or_path=str(TINY_MODEL), finetuning="lora")
+    raw["data"].update(max_samples=64)
+    raw["data"].pop("eval_dataset", None)
+    raw.pop("evaluation", None)
+    raw["train"].update(max_steps=5000, save_steps=2, eval_steps=None)
+    raw["logging"].update(logging_steps=1)
+    path = workdir / "long_lora.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return str(path)
+
+
+def _wait_for_checkpoint(folder: Path) -> None:
+    deadline = time.time() + RUN_TIMEOUT_MS / 1000
+    while not list_checkpoints(folder) and time.time() < deadline:
+        time.sleep(0.5)
+    assert list_checkpoints(folder), "no checkpoint was written"
+
+
+def test_stop_keeps_checkpoint_then_resume_and_export(page, app_url):
+    """A long LoRA run (loaded from a user YAML): a second Start is refused, Stop ends the process tree and
+    keeps the checkpoint, a resumed run finishes, and the Export tab merges its adapter into a full model."""
+    import psutil
+
+    _, workdir = app_url
+    out = "outputs/long-lora"
+    load_yaml(page, _long_lora_yaml(workdir, out))
+    start_run(page)
+    _wait_for_checkpoint(workdir / out)
+
+    page.get_by_role("tab", name="Train").click()
+    page.locator("#btn-start").click()
+    expect(page.locator("#train-message")).to_contain_text("is busy", timeout=30_000)
+
+    root = psutil.Process(run_state(workdir, out)["pid"])
+    tree = [root, *root.children(recursive=True)]
+    page.get_by_role("tab", name="Monitor").click()
+    page.locator("#monitor-stop").click()
+    expect(page.locator("#monitor-status")).to_contain_text("stopped", timeout=30_000)
+    assert not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert run_state(workdir, out)["status"] == "stopped"
+    checkpoints = list_checkpoints(workdir / out)
+    assert checkpoints, "Stop must leave the checkpoints in place"
+
+    page.get_by_role("tab", name="Train").click()
+    expect(page.locator("#btn-start")).to_be_visible()
+    set_field(page, "resume_from_checkpoint", "auto")
+    open_section(page, "train")
+    max_steps = int(checkpoints[-1].name.split("-")[1]) + 1
+    set_field(page, "train.max_steps", max_steps)
+    page.locator("#btn-preview-yaml").click()  # the form as the server sees it, before Start
+    expect(page.locator("#yaml-view")).to_contain_text(f"max_steps: {max_steps}", timeout=20_000)
+    expect(page.locator("#yaml-view")).to_contain_text("resume_from_checkpoint: auto")
+    page.locator("#btn-start").click()
+    expect(page.locator("#monitor-status")).to_contain_text("finished", timeout=RUN_TIMEOUT_MS)
+    assert f"resumed from {out}/{checkpoints[-1].name}" in (workdir / out / "webui_run.log").read_text()
+    assert (workdir / out / "adapter_config.json").is_file()
+
+    page.get_by_role("tab", name="Export").click()
+    box(page, "export-adapter").fill(out)
+    box(page, "export-adapter").press("Enter")
+    page.locator("#export-btn").click()
+    expect(page.locator("#export-message")).to_contain_text("saved the full model", timeout=60_000)
+    merged = workdir / "outputs/export/merged"
+    assert (merged / "model.safetensors").is_file() and (merged / "config.json").is_file()
+    assert not (merged / "adapter_config.json").exists()
+    shot(page, "export.png")
+
+
+def test_bad_values_show_a_clear_error(page, app_url):
+    """Stage sections follow the stage; a negative learning rate and an unknown dataset: the CLI's error
+    text appears in the page and nothing starts."""
+    _, workdir = app_url
+    load_yaml(page, QUICKSTART)
+    stage = box(page, "field-stage")  # stage sections show only for their stage
+    stage.fill("dpo")
+    stage.press("Enter")
+    expect(page.locator("#section-dpo")).to_be_visible()
+    expect(page.locator("#section-rollout")).to_be_hidden()
+    stage.fill("sft")
+    stage.press("Enter")
+    expect(page.locator("#section-dpo")).to_be_hidden()
+    set_field(page, "model.name_or_path", TINY_MODEL)
+    set_field(page, "output_dir", "outputs/bad")
+    open_section(page, "train")
+    set_field(page, "train.learning_rate", -1)
+    page.locator("#btn-validate").click()
+    message = page.locator("#train-message")
+    expect(message).to_contain_text("train.learning_rate: Input should be greater than 0", timeout=30_000)
+
+    set_field(page, "train.learning_rate", 0.0005)
+    dataset = box(page, "field-data-dataset")
+    dataset.fill("no_such_dataset")
+    dataset.press("Enter")
+    page.locator("#btn-start").click()
+    expect(message).to_contain_text("dataset 'no_such_dataset' is not in", timeout=30_000)
+    assert not (workdir / "outputs/bad").exists()
+
+
+def test_runs_list_opens_an_old_run(browser, app_url):
+    """A run written earlier (not by this WebUI) is listed under outputs/ and viewed like a live one."""
+    url, workdir = app_url
+    old = workdir / "outputs" / "old-sft"
+    old.mkdir(parents=True, exist_ok=True)
+    (old / "config.yaml").write_text("stage: sft\ntrain:\n  max_steps: 3\n")
+    records = [{"step": s, "loss": 1.0 / s, "lr": 1e-4, "elapsed_s": s, "eta_s": 3 - s} for s in (1, 2, 3)]
+    (old / "trainer_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (old / "run_summary.json").write_text(json.dumps({"output_dir": str(old), "saved_as": "adapter", "global_step": 3}))
+    context = browser.new_context(viewport={"width": 1360, "height": 900})
+    page = context.new_page()
+    page.goto(url)
+    page.get_by_role("tab", name="Monitor").click()
+    page.locator("#runs-table").get_by_text("outputs/old-sft").filter(visible=True).first.click()
+    expect(page.locator("#monitor-status")).to_contain_text("finished", timeout=30_000)
+    expect(page.locator("#monitor-progress")).to_contain_text("step 3/3")
+    expect(page.locator("#chart-0")).to_contain_text("loss")
+    context.close()
+
+
+def test_chat_with_the_tiny_model(page):
+    """Load the bundled model on the Chat tab and get a reply rendered through its chat template."""
+    page.get_by_role("tab", name="Chat").click()
+    chooser = box(page, "chat-model")
+    chooser.fill(str(TINY_MODEL))
+    chooser.press("Enter")
+    page.locator("#chat-load").click()
+    expect(page.locator("#chat-status")).to_contain_text("parameters", timeout=60_000)
+    box(page, "chat-input").fill("Mia has 3 boxes with 4 pens in each box. How many pens does Mia have?")
+    page.locator("#chat-send").click()
+    reply = page.locator("#chat-bot [data-testid='bot']").first
+    expect(reply).to_be_visible(timeout=60_000)
+    expect(reply).not_to_be_empty()
+    page.wait_for_timeout(500)
+    shot(page, "chat.png")
+
+
+# --------------------------------------------------------------------------- without a browser
+def test_form_comes_from_the_schema():
+    """Every schema key gets exactly one field, of the right kind; a field added to the schema appears."""
+    from pydantic import Field
+
+    from rlfactory.config.loader import _section_class
+    from rlfactory.config.schema import RunConfig, TrainConfig
+    from rlfactory.webui import schema_form as sf
+
+    sections = sf.form_sections()
+    fields = sf.all_fields(sections)
+    specs = {s.path: s for s in fields}
+    expected = set()
+    for key, info in RunConfig.model_fields.items():
+        section = _section_class(info.annotation)
+        expected |= {f"{key}.{name}" for name in section.model_fields} if section else {key}
+    assert set(specs) == expected and len(fields) == len(expected)
+    kinds = {
+        "stage": "enum",
+        "train.learning_rate": "float",
+        "train.max_steps": "int",
+        "model.trust_remote_code": "bool",
+        "logging.report_to": "multi",
+        "data.dataset": "list",
+        "lora.target_modules": "yaml",
+        "reward.functions": "yaml",
+    }
+    assert {path: specs[path].kind for path in kinds} == kinds
+    assert specs["train.learning_rate"].info == "Peak learning rate. (> 0)"
+    assert {s.name: s.stages for s in sections if s.stages}["rollout"] == ("ppo", "grpo")
+
+    class Extended(RunConfig):
+        new_knob: int = Field(3, description="A knob added later.")
+
+    class ExtendedTrain(TrainConfig):
+        new_rate: float = Field(0.5, description="Another one.")
+
+    paths = {s.path for s in sf.all_fields(sf.form_sections(Extended.model_json_schema()))}
+    assert "new_knob" in paths
+    schema = RunConfig.model_json_schema()
+    schema["$defs"]["TrainConfig"] = ExtendedTrain.model_json_schema()
+    assert "train.new_rate" in {s.path for s in sf.all_fields(sf.form_sections(schema))}
+
+
+@pytest.mark.parametrize("example", sorted(str(p.relative_to(ROOT)) for p in (ROOT / "examples").rglob("*.yaml")))
+def test_form_round_trip_keeps_every_example(example: str):
+    """YAML -> form values -> YAML gives the same validated config (nothing lost or changed by the form)."""
+    from rlfactory.config.loader import read_yaml, validate_config
+    from rlfactory.webui import schema_form as sf
+
+    raw = read_yaml(ROOT / example)
+    if "stages" in raw:
+        pytest.skip("pipelines are run from the CLI")
+    sections = sf.form_sections()
+    values, unknown = sf.raw_to_form(sections, raw)
+    assert unknown == []
+    again = sf.form_to_raw(sections, values)
+    assert validate_config(again, "form") == validate_config(raw, example)
+    assert len(sf.raw_to_yaml(again).splitlines()) <= len((ROOT / example).read_text().splitlines())
+
+
+def test_preview_highlights_exactly_the_trained_tokens():
+    """The preview marks the tokens render_sft labels (sft), both sides of a pair (dpo), none of a prompt (grpo)."""
+    import html
+    import re
+
+    from rlfactory.data.loader import load_examples
+    from rlfactory.errors import UserError
+    from rlfactory.render.chat import IGNORE_INDEX, render_sft
+    from rlfactory.webui import preview
+
+    data = {"dataset_dir": str(DATA_DIR), "max_samples": 5}
+    raw = {"stage": "sft", "model": {"name_or_path": str(TINY_MODEL)}, "data": {**data, "dataset": ["arith_sft"]}}
+    body, page = preview.preview_page(raw, 1)
+    assert page == 1 and "sft: examples 4–5 of 5" in body
+    example = load_examples(["arith_sft"], "sft", str(DATA_DIR), 5)[3]
+    tokenizer = preview._tokenizer(str(TINY_MODEL), None)
+    labels = render_sft(tokenizer, example["messages"])["labels"]
+    first_block = body.split('<div class="rf-example">')[1]
+    marked = "".join(re.findall(r'<mark class="trained">(.*?)</mark>', first_block, re.DOTALL))
+    assert html.unescape(marked) == tokenizer.decode([t for t in labels if t != IGNORE_INDEX])
+
+    pairs, _ = preview.preview_page({**raw, "stage": "dpo", "data": {**data, "dataset": ["arith_pref"]}}, 0)
+    assert pairs.count("· chosen ·") == 3 and pairs.count("· rejected ·") == 3
+    prompts, _ = preview.preview_page({**raw, "stage": "grpo", "data": {**data, "dataset": ["arith_prompts"]}}, 0)
+    assert prompts.count("0 trained") == 3
+    with pytest.raises(UserError, match="not in"):
+        preview.preview_page({**raw, "data": {**data, "dataset": ["no_such_dataset"]}}, 0)
+
+
+def test_monitor_reads_any_stage_log(tmp_path: Path):
+    """Charts for whichever keys the log has (offline and online stages), progress/ETA, rollouts, log tail."""
+    from rlfactory.webui import monitor
+
+    lines = [
+        {"step": 0, "eval_loss": 2.0},
+        {"step": 1, "loss": 1.5, "lr": 1e-4, "rewards/margins": 0.1, "elapsed_s": 2, "eta_s": 18},
+        {
+            "step": 2,
+            "loss": 1.2,
+            "score/mean": 0.4,
+            "reward/answer_match/mean": 0.4,
+            "timing_s/gen": 1.5,
+            "timing_s/update": 0.5,
+            "elapsed_s": 4,
+            "eta_s": 16,
+        },
+    ]
+    (tmp_path / "trainer_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 3, "lo')
+    (tmp_path / "config.yaml").write_text("stage: grpo\ntrain:\n  max_steps: 10\n")
+    charts = dict(monitor.chart_series(monitor.read_records(tmp_path)))
+    assert list(charts) == ["loss", "learning rate", "reward margin", "score", "reward components", "phase timings (s)"]
+    assert {row["series"] for row in charts["loss"]} == {"loss", "eval_loss"}
+    assert {row["series"] for row in charts["phase timings (s)"]} == {"timing_s/gen", "timing_s/update"}
+    fraction, line = monitor.progress(tmp_path, monitor.read_records(tmp_path))
+    assert fraction == pytest.approx(0.2) and "step 2/10" in line and "ETA 16s" in line
+
+    (tmp_path / "rollouts").mkdir()
+    for step in (2, 10):
+        row = {  # the shape stages/online_step.py:trace_rows writes
+            "step": step,
+            "prompt": [{"role": "user", "content": f"q{step}"}],
+            "completion": "a",
+            "answer": "4",
+            "rewards": {"answer_match": 1.0, "format": 0.0},
+            "score": 1.0,
+            "advantage": 0.5,
+        }
+        (tmp_path / "rollouts" / f"step_{step}.jsonl").write_text(json.dumps(row) + "\n")
+    name, rows = monitor.rollouts(tmp_path)
+    assert name == "step_10.jsonl"
+    assert rows == [
+        {
+            "prompt": "user: q10",
+            "completion": "a",
+            "reward": 1.0,
+            "answer": "4",
+            "advantage": 0.5,
+            "reward/answer_match": 1.0,
+            "reward/format": 0.0,
+        }
+    ]
+    (tmp_path / "webui_run.log").write_text("start\nsft:  0%\rsft: 50%\rsft: 100%\ndone\n")
+    assert monitor.log_text(tmp_path) == "start\nsft: 100%\ndone"
+
+
+def test_tool_calls_are_parsed_and_shown():
+    from rlfactory.webui import chat
+
+    text = 'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 * 4"}}\n</tool_call>'
+    content, calls = chat.parse_tool_calls(text)
+    assert content == "Let me compute."
+    assert calls == [{"name": "calculator", "arguments": {"expression": "3 * 4"}}]
+    assert chat.parse_tool_calls('<tool_call>\n{"name": "calc')[1][0]["raw"] == '{"name": "calc'
+    message = {"role": "assistant", "content": content, "tool_calls": [{"type": "function", "function": calls[0]}]}
+    shown = chat.to_display([{"role": "user", "content": "a <b>"}, message, {"role": "tool", "content": "12"}])
+    assert shown[0]["content"] == "a &lt;b&gt;"
+    assert shown[2]["metadata"]["title"] == "⚙ tool call: calculator"
+    assert shown[3] == {"role": "user", "content": "↳ tool result: 12"}
+
+
+def test_cli_webui_options_and_auth(monkeypatch: pytest.MonkeyPatch):
+    from rlfactory.cli import _parser
+    from rlfactory.errors import UserError
+    from rlfactory.webui.app import AUTH_ENV, parse_auth
+
+    args = _parser().parse_args(["webui"])
+    assert (args.host, args.port, args.share, args.auth) == ("127.0.0.1", 7860, False, None)
+    assert _parser().parse_args(["webui", "--share", "true", "--port", "8000"]).share is True
+    monkeypatch.delenv(AUTH_ENV, raising=False)
+    assert parse_auth(None) is None
+    assert parse_auth("me:secret") == ("me", "secret")
+    monkeypatch.setenv(AUTH_ENV, "env:pw")
+    assert parse_auth(None) == ("env", "pw")
+    with pytest.raises(UserError, match="user:password"):
+        parse_auth("nocolon")
