@@ -137,9 +137,16 @@ def box(page, elem_id: str):
 
 
 def set_field(page, path: str, value) -> None:
+    """Fill a field; retry when a late form update (an example still loading) overwrote it."""
     field = box(page, "field-" + path.replace(".", "-"))
-    field.fill(str(value))
-    field.press("Tab")
+    for _ in range(4):
+        field.fill(str(value))
+        field.press("Tab")
+        try:
+            expect(field).to_have_value(str(value), timeout=3000)
+            return
+        except AssertionError:
+            page.wait_for_timeout(500)
     expect(field).to_have_value(str(value))
 
 

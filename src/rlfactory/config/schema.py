@@ -63,10 +63,10 @@ class ModelConfig(Section):
         "sdpa", description="Attention kernel passed to transformers."
     )
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory (recompute activations).")
-    liger_kernel: bool | None = Field(
-        None,
+    liger_kernel: Literal["auto", "on", "off"] = Field(
+        "auto",
         description="Liger's fused kernels (fused linear cross-entropy: no full-vocabulary logits in memory, "
-        "RMSNorm, SwiGLU, RoPE). null: on for full/freeze fine-tuning on CUDA when liger-kernel is installed.",
+        "RMSNorm, SwiGLU, RoPE). auto: on for full/freeze fine-tuning on CUDA when liger-kernel is installed.",
     )
     trust_remote_code: bool = Field(False, description="Allow custom model code shipped with the checkpoint.")
 

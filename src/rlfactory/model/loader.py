@@ -98,7 +98,7 @@ def load_model(cfg: ModelConfig, lora: LoraConfig, freeze: FreezeConfig, trainab
     for adapter in cfg.adapter_paths:
         model = merge_adapter(model, adapter)
     if trainable:
-        maybe_apply_liger(model, cfg.liger_kernel, cfg.finetuning)
+        maybe_apply_liger(model, None if cfg.liger_kernel == "auto" else cfg.liger_kernel == "on", cfg.finetuning)
     if not trainable:
         model.requires_grad_(False)
         return model
@@ -133,7 +133,7 @@ def maybe_apply_liger(model: Any, enabled: bool | None, finetuning: str = "full"
     if not enabled:
         return False
     if not installed:
-        raise UserError("model.liger_kernel: true needs the liger-kernel package (`pip install liger-kernel`)")
+        raise UserError("model.liger_kernel: on needs the liger-kernel package (`pip install liger-kernel`)")
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
     _apply_liger_kernel_to_instance(model=model)
