@@ -159,6 +159,14 @@ def test_orpo_raises_the_log_odds_ratio(tmp_path: Path):
     assert PAIR_ACCURACY in summary and summary["saved_as"] == "full"
 
 
+def test_config_check_takes_ranking_data_for_kto(tmp_path: Path):
+    """kto reads a ranking dataset as pairs (split later), so `config check` must validate it as pairwise."""
+    cfg = _config(tmp_path, "kto")
+    result = run_cli("config", "check", str(write_yaml(tmp_path / "run.yaml", cfg)))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "512 pairwise examples" in result.stdout
+
+
 def _registry(tmp_path: Path, rows: list[dict], ranking: bool) -> Path:
     folder = tmp_path / "data"
     folder.mkdir()

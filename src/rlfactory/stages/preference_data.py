@@ -5,7 +5,8 @@ so chosen and rejected differ only in their response tokens. A micro-batch of B 
 padded batch of 2B rows ``[chosen_0..chosen_{B-1}; rejected_0..rejected_{B-1}]`` so both sides go
 through a single forward (half the kernel launches, and the same padding for both). ``loss_mask``
 marks the response tokens the policy produced: prompt, template glue after the turn and padding are
-never counted.
+never counted. The summary's before -> after numbers are read from the engine's step-0 and final evals,
+so no extra pass over the eval set is made.
 """
 
 from __future__ import annotations
