@@ -173,7 +173,7 @@ class LoggingConfig(Section):
     rollout_trace_steps: int | None = Field(
         10,
         ge=1,
-        description="ppo/grpo: every N steps write rollouts/step_XXXXX.jsonl (prompts, completions, token counts, "
+        description="ppo/grpo: every N steps write rollouts/step_<5-digit step>.jsonl (prompts, completions, token counts, "
         "rewards per component, advantages). null: never.",
     )
 
