@@ -17,18 +17,34 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 try:
     from rlfactory.tasks.arith import SYSTEM_PROMPT, make_problem, wrong_solution
+    from rlfactory.tasks.arith_tools import CALCULATOR_SCHEMA, expression, tool_turns
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT / "src"))
     from rlfactory.tasks.arith import SYSTEM_PROMPT, make_problem, wrong_solution
+    from rlfactory.tasks.arith_tools import CALCULATOR_SCHEMA, expression, tool_turns
 
 SEED = 1234
 
 # split name -> number of rows; every split draws fresh, globally unique questions
 TEST_SPLITS = {"sft_eval": 200, "prompts_test": 200, "pref_test": 200}
 TRAIN_SPLITS = {
-    "sft_train": 2000, "prompts_train": 1000, "pref_train": 1000, "kto_train": 1000,
-    "sft_alpaca": 300, "pref_sharegpt": 300,
+    "sft_train": 2000,
+    "prompts_train": 1000,
+    "pref_train": 1000,
+    "kto_train": 1000,
+    "sft_alpaca": 300,
+    "pref_sharegpt": 300,
 }
+# the calculator-tool task (appended last, so the splits above keep their exact content)
+TOOL_SPLITS = {
+    "tool_prompts_test": 200,
+    "tool_sft": 1000,
+    "tool_sft_glaive": 200,
+    "tool_pref": 500,
+    "tool_pref_glaive": 200,
+    "tool_prompts": 1000,
+}
+JSON_LIST_SPLITS = ("sft_alpaca", "pref_sharegpt", "tool_sft_glaive", "tool_pref_glaive")
 
 DATASET_INFO = """\
 # Datasets known to rlfactory, by name (the name is what run YAMLs put under `dataset:`).
@@ -89,6 +105,35 @@ arith_pref_sharegpt:
   ranking: true
   columns: {messages: conversations, system: system, chosen: chosen, rejected: rejected}
   tags: {role_tag: from, content_tag: value, user_tag: human, assistant_tag: gpt}
+
+# The arith_tool_* sets: the same problems solved with the `calculator` tool (rlfactory.tasks.arith_tools).
+# Every row carries the tool schema in its `tools` column; run YAMLs declare `tools: [calculator]` to execute it.
+arith_tool_sft:
+  file_name: arith/tool_sft.jsonl
+  formatting: openai
+  columns: {messages: messages, tools: tools, answer: answer}
+arith_tool_sft_glaive:
+  file_name: arith/tool_sft_glaive.json
+  formatting: sharegpt
+  columns: {messages: conversations, system: system, tools: tools}
+arith_tool_pref:
+  file_name: arith/tool_pref.jsonl
+  formatting: openai
+  ranking: true
+  columns: {messages: messages, tools: tools, chosen: chosen, rejected: rejected}
+arith_tool_pref_glaive:
+  file_name: arith/tool_pref_glaive.json
+  formatting: sharegpt
+  ranking: true
+  columns: {messages: conversations, system: system, tools: tools, chosen: chosen, rejected: rejected}
+arith_tool_prompts:
+  file_name: arith/tool_prompts.jsonl
+  formatting: openai
+  columns: {messages: messages, tools: tools, answer: answer}
+arith_tool_prompts_test:
+  file_name: arith/tool_prompts_test.jsonl
+  formatting: openai
+  columns: {messages: messages, tools: tools, answer: answer}
 """
 
 
@@ -121,6 +166,58 @@ def _row(split: str, p: dict[str, str], rng: random.Random, index: int) -> dict:
             "chosen": {"from": "gpt", "value": p["solution"]},
             "rejected": {"from": "gpt", "value": wrong_solution(p, rng)},
         }
+    if split.startswith("tool_"):
+        return _tool_row(split, p, rng)
+    raise ValueError(split)
+
+
+def _glaive(turns: list[dict]) -> list[dict[str, str]]:
+    """OpenAI messages -> LLaMA-Factory's sharegpt/glaive turns (function_call / observation)."""
+    out = []
+    for m in turns:
+        if m.get("tool_calls"):
+            fn = m["tool_calls"][0]["function"]
+            out.append(
+                {"from": "function_call", "value": json.dumps({"name": fn["name"], "arguments": fn["arguments"]})}
+            )
+        elif m["role"] == "tool":
+            out.append({"from": "observation", "value": m["content"]})
+        else:
+            out.append({"from": {"user": "human", "assistant": "gpt"}[m["role"]], "value": m["content"]})
+    return out
+
+
+def _tool_row(split: str, p: dict[str, str], rng: random.Random) -> dict:
+    """Calculator-tool rows: the tools column is a list (openai files) or a JSON string (glaive files, as there)."""
+    tools = [CALCULATOR_SCHEMA]
+    if split in ("tool_prompts", "tool_prompts_test"):
+        return {"messages": _prompt(p), "tools": tools, "answer": p["answer"]}
+    if split == "tool_sft":
+        return {"messages": [*_prompt(p), *tool_turns(p)], "tools": tools, "answer": p["answer"]}
+    wrong = wrong_solution(p, rng)
+    # rejected: a wrong direct answer, or (half the time) a malformed call followed by a wrong answer
+    bad_call = {
+        "role": "assistant",
+        "content": f'<tool_call>\n{{"name": "calculator", "expression": "{expression(p)}"}}',
+    }
+    rejected = [{"role": "assistant", "content": wrong}] if rng.random() < 0.5 else [bad_call]
+    if split == "tool_pref":
+        return {"messages": _prompt(p), "tools": tools, "chosen": tool_turns(p), "rejected": rejected}
+    conversation = [{"from": "human", "value": p["question"]}]
+    if split == "tool_sft_glaive":
+        return {
+            "conversations": conversation + _glaive(tool_turns(p)),
+            "system": SYSTEM_PROMPT,
+            "tools": json.dumps(tools),
+        }
+    if split == "tool_pref_glaive":
+        return {
+            "conversations": conversation,
+            "system": SYSTEM_PROMPT,
+            "tools": json.dumps(tools),
+            "chosen": _glaive(tool_turns(p)),
+            "rejected": _glaive(rejected),
+        }
     raise ValueError(split)
 
 
@@ -129,7 +226,7 @@ def build(out: Path) -> dict[str, int]:
     seen: set[str] = set()
     sizes: dict[str, int] = {}
     (out / "arith").mkdir(parents=True, exist_ok=True)
-    for split, n in {**TEST_SPLITS, **TRAIN_SPLITS}.items():
+    for split, n in {**TEST_SPLITS, **TRAIN_SPLITS, **TOOL_SPLITS}.items():
         rows = []
         while len(rows) < n:
             p = make_problem(rng)
@@ -137,7 +234,7 @@ def build(out: Path) -> dict[str, int]:
                 continue
             seen.add(p["question"])
             rows.append(_row(split, p, rng, len(rows)))
-        if split in ("sft_alpaca", "pref_sharegpt"):
+        if split in JSON_LIST_SPLITS:
             path = out / "arith" / f"{split}.json"
             path.write_text(json.dumps(rows, ensure_ascii=False, indent=1) + "\n")
         else:
@@ -149,8 +246,7 @@ def build(out: Path) -> dict[str, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "data", help="data folder (default: repo data/)")
     args = parser.parse_args()
     for path, n in build(args.out).items():

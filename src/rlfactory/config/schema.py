@@ -352,14 +352,73 @@ class CriticConfig(Section):
     )
 
 
+class ToolSpec(Section):
+    """One tool the policy may call (``tools:`` entries; a plain string is the ``function``)."""
+
+    function: str = Field(
+        ...,
+        description="The tool: a bundled name (calculator, python), `path/to/file.py:function` or "
+        "`package.module:function`.",
+    )
+    name: str | None = Field(None, description="Name shown to the model (default: the function's name).")
+    json_schema: dict[str, Any] | None = Field(
+        None,
+        description="Explicit OpenAI function schema ({type: function, function: {name, description, parameters}}); "
+        "checked against the function's signature. Default: derived from type hints + docstring.",
+    )
+    runs_code: bool | None = Field(
+        None,
+        description="Run in a subprocess with agent.tool_timeout_s and agent.tool_memory_mb limits "
+        "(default: true for the bundled python tool, else false).",
+    )
+    timeout_s: float | None = Field(
+        None, gt=0, description="Per-call timeout of this tool (default: agent.tool_timeout_s)."
+    )
+
+
+def _tool_entries(value: Any) -> Any:
+    value = _as_list(value)
+    return [{"function": v} if isinstance(v, str) else v for v in value]
+
+
+class AgentConfig(Section):
+    """Multi-turn rollouts (ppo, grpo): the agent loop runs when `tools` are declared or `agent.env` is set."""
+
+    max_turns: int = Field(
+        4, ge=1, description="Assistant turns per conversation at most (the last may not call tools)."
+    )
+    parser: str = Field(
+        "hermes",
+        description="Tool-call format the model emits: hermes (<tool_call>{json}</tool_call>: Qwen2.5, Hermes), "
+        "json (plain JSON calls: Llama 3.x), harmony (GPT-OSS).",
+    )
+    env: str | None = Field(
+        None,
+        description="Environment answering each turn: tools (run the calls), arith_feedback (example: a simulated "
+        "user who asks for a retry) or `path/to/file.py:Class`. Default: tools.",
+    )
+    env_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment.")
+    max_tokens_per_turn: int | None = Field(
+        None,
+        ge=1,
+        description="Generated tokens per assistant turn (default: what is left of rollout.max_response_len).",
+    )
+    tool_timeout_s: float = Field(10.0, gt=0, description="A tool call slower than this returns a timeout error.")
+    max_concurrency: int = Field(16, ge=1, description="Tool calls running at once (over all conversations).")
+    tool_memory_mb: int = Field(1024, ge=64, description="Address-space limit of runs_code tool subprocesses.")
+    max_tool_response_chars: int = Field(
+        2000, ge=16, description="Tool results longer than this are cut before they are tokenized."
+    )
+
+
 STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "sft": (),
     "rm": ("rm",),
     "dpo": ("dpo",),
     "kto": ("kto",),
     "orpo": ("orpo",),
-    "ppo": ("rollout", "reward", "algorithm", "critic"),
-    "grpo": ("rollout", "reward", "algorithm"),
+    "ppo": ("rollout", "reward", "algorithm", "critic", "agent"),
+    "grpo": ("rollout", "reward", "algorithm", "agent"),
 }
 SECTION_CLASSES: dict[str, type[Section]] = {
     "rm": RMConfig,
@@ -370,6 +429,7 @@ SECTION_CLASSES: dict[str, type[Section]] = {
     "reward": RewardConfig,
     "algorithm": AlgorithmConfig,
     "critic": CriticConfig,
+    "agent": AgentConfig,
 }
 
 
@@ -399,6 +459,14 @@ class RunConfig(Section):
     reward: RewardConfig | None = Field(None, description="Stages ppo and grpo only.")
     algorithm: AlgorithmConfig | None = Field(None, description="Stages ppo and grpo only.")
     critic: CriticConfig | None = Field(None, description="Stage ppo only.")
+    tools: list[ToolSpec] = Field(
+        default_factory=list,
+        description="Tools the model may call: their schemas go into the chat template (rows without a `tools` "
+        "column get them); ppo/grpo run them in the agent loop.",
+    )
+    agent: AgentConfig | None = Field(None, description="Stages ppo and grpo only.")
+
+    _tool_list = field_validator("tools", mode="before")(_tool_entries)
 
     @model_validator(mode="after")
     def _stage_sections(self) -> RunConfig:

@@ -213,3 +213,6 @@ def length_penalty(
     if buffer <= 0 or response_length >= max_response_len:
         return -penalty
     return (expected - response_length) / buffer * penalty
+
+
+from rlfactory.rewards import agent as _agent_rewards  # noqa: E402, F401 - registers the tool-calling rewards

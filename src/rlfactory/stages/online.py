@@ -25,6 +25,7 @@ from rlfactory.engine.trainer import TrainResult, build_accelerator
 from rlfactory.errors import UserError
 from rlfactory.rewards.stack import RewardStack, Sample, score_metrics
 from rlfactory.rollout.base import SamplingParams, build_backend
+from rlfactory.stages import online_agent
 from rlfactory.stages import online_update as ops
 from rlfactory.stages.online_setup import Reference, needs_reference
 from rlfactory.stages.online_step import Run, step, trace_rows
@@ -94,6 +95,8 @@ def build_run(
     for example in prompts + eval_prompts:
         example["prompt_text"] = tokenizer.decode(example["prompt_ids"])
     backend = build_backend(ro.backend, accelerator.unwrap_model(policy), tokenizer, ro.generation_batch_size)
+    from rlfactory.stages.online_agent import build_agent
+
     return Run(
         cfg=cfg,
         accelerator=accelerator,
@@ -108,6 +111,7 @@ def build_run(
         kl_ctrl=_kl_controller(cfg),
         total_steps=total,
         reference=reference,
+        agent=build_agent(cfg, backend, tokenizer),
         critic=critic,
         critic_updater=critic_updater,
     )
@@ -119,18 +123,18 @@ def validate(run: Run) -> tuple[dict[str, float], list[dict]]:
 
     ev = run.cfg.evaluation
     metric = REWARD_FUNCTIONS.get(ev.metric)
-    with run.accelerator.autocast():
-        prompts = [p["prompt_ids"] for p in run.eval_prompts]
-        completions = run.backend.generate(prompts, SamplingParams(ev.max_new_tokens, 0))
+    with run.accelerator.autocast():  # multi-turn evaluation runs the same agent loop, greedy
+        params = SamplingParams(ev.max_new_tokens, 0)
+        completions, finals, seen = online_agent.generate(run.agent, run.backend, run.eval_prompts, params)
     samples = [
         Sample(
             p["prompt_text"],
-            run.tokenizer.decode(c.token_ids, skip_special_tokens=True),
+            run.tokenizer.decode(c.token_ids, skip_special_tokens=True) if f is None else f,
             p.get("answer"),
             p,
             len(c.token_ids),
         )
-        for p, c in zip(run.eval_prompts, completions, strict=True)
+        for p, c, f in zip(seen, completions, finals, strict=True)
     ]
     scores = run.rewards.score(samples)
     values = []
@@ -142,6 +146,7 @@ def validate(run: Run) -> tuple[dict[str, float], list[dict]]:
         "val/reward/mean": sum(scores.total) / len(samples),
         "val/response_length/mean": sum(s.response_length for s in samples) / len(samples),
         **score_metrics(scores, "val/reward"),
+        **online_agent.metrics(seen, "val/"),
     }
     rows = [
         {"prompt": s.example["messages"][-1]["content"], "completion": s.completion, "answer": s.answer, "score": v}

@@ -83,6 +83,10 @@ def load_prompt_sets(cfg: RunConfig) -> tuple[list[dict], list[dict], list[Any]]
             [f"evaluation.metric {ev.metric}"] if REWARD_FUNCTIONS.traits(ev.metric).get("needs_answer") else []
         )
         check_columns(evals, [c.name for c in components if c.needs_answer] + metric_needs, ev.dataset)
+    from rlfactory.stages import online_agent
+
+    if online_agent.enabled(cfg):  # tools load and rows are checked here, before any model
+        online_agent.prepare_examples(cfg, train + evals)
     return train, evals, components
 
 

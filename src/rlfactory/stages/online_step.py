@@ -29,6 +29,7 @@ from rlfactory.engine import online as engine
 from rlfactory.rewards.stack import RewardStack, Sample, Scores, score_metrics
 from rlfactory.rollout.base import SamplingParams
 from rlfactory.rollout.batch import pack_rollouts
+from rlfactory.stages import online_agent
 from rlfactory.stages import online_update as ops
 from rlfactory.stages.online_setup import Reference
 
@@ -52,6 +53,7 @@ class Run:
     kl_ctrl: Any
     total_steps: int
     reference: Reference | None = None
+    agent: Any = None  # the multi-turn agent loop (rollout/agent.py), None for single-turn rollouts
     critic: Any = None
     critic_updater: ops.Updater | None = None
     state: dict[str, Any] = field(default_factory=lambda: {"step": 0, "cursor": 0, "group": 0, "epoch": 0.0})
@@ -73,22 +75,27 @@ def next_prompts(run: Run, k: int) -> list[dict]:
     return out
 
 
+def repeat(examples: list[dict], copies: int) -> list[dict]:
+    return [ex for ex in examples for _ in range(copies)]
+
+
 def generate_and_score(
     run: Run, examples: list[dict], params: SamplingParams, copies: int
 ) -> tuple[list[dict], dict[str, int]]:
     """``copies`` samples per example, scored: one dict per sample (group ids are fresh per prompt), and the
     reward failures per component."""
     prompt_ids = [ex["prompt_ids"] for ex in examples for _ in range(copies)]
-    with run.timer("gen"), run.accelerator.autocast():
-        completions = run.backend.generate(prompt_ids, params)
+    with run.timer("gen"), run.accelerator.autocast():  # multi-turn: the agent loop (stages/online_agent.py)
+        completions, finals, seen = online_agent.generate(run.agent, run.backend, repeat(examples, copies), params)
     groups = []
     for _ in examples:
         groups += [run.state["group"]] * copies
         run.state["group"] += 1
     decode = run.tokenizer.decode
+    texts = [decode(c.token_ids, skip_special_tokens=True) if f is None else f for c, f in zip(completions, finals)]
     samples = [
-        Sample(ex["prompt_text"], decode(c.token_ids, skip_special_tokens=True), ex.get("answer"), ex, len(c.token_ids))
-        for ex, c in zip([ex for ex in examples for _ in range(copies)], completions, strict=True)
+        Sample(ex["prompt_text"], text, ex.get("answer"), ex, len(c.token_ids))
+        for ex, c, text in zip(seen, completions, texts, strict=True)
     ]
     with run.timer("reward"):
         scores = run.rewards.score(samples)
@@ -233,6 +240,7 @@ def batch_metrics(samples: list[dict], generated: list[dict], failures: dict[str
         "response_length/clip_ratio": sum(s["completion"].finish_reason == "length" for s in generated) / len(lengths),
         "rollout/kept_samples": float(len(samples)),
         "rollout/generated_samples": float(len(generated)),
+        **online_agent.metrics([s["example"] for s in generated]),
     }
 
 
@@ -269,6 +277,7 @@ def trace_rows(step_index: int, samples: list[dict], batch: dict) -> list[dict]:
             "rewards": s["rewards"],
             "score": s["score"],
             "advantage": float(adv[i]),
+            **online_agent.trace_fields(s["example"]),
         }
         for i, s in enumerate(samples)
     ]

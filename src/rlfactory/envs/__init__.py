@@ -1,0 +1,1 @@
+"""Environments of the multi-turn agent loop: what answers an assistant turn (tools, a simulated user)."""

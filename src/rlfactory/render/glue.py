@@ -1,0 +1,72 @@
+"""The tokens a multi-turn rollout splices in after an assistant turn: observations (tool results, user
+messages) plus the template text around them, ending with the next assistant generation prompt.
+
+Token-in, token-out (DESIGN principle 2): the history is never re-rendered. The template's text for an
+observation is found once per observation *shape* (roles and count) by rendering a skeleton conversation
+with sentinel contents and taking the prefix difference after the assistant's end-of-turn string; later
+observations only fill the contents in. The glue text is tokenized as one string, exactly as
+``render.chat.render_segments`` tokenizes the same stretch for training, so the rollout's token sequence
+equals the training render of the same conversation (tested token-exact).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlfactory.errors import UserError
+from rlfactory.render.chat import _apply, _encode, end_of_turn
+
+SENTINEL = "\u2063OBS{}\u2063"  # invisible separator: no template transforms it, no real content holds it
+
+
+def _skeleton(observation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """user -> assistant (with one dummy call per tool message) -> the observation with sentinel contents."""
+    tool_msgs = [m for m in observation if m["role"] == "tool"]
+    calls = [{"type": "function", "function": {"name": m.get("name") or "tool", "arguments": {}}} for m in tool_msgs]
+    assistant: dict[str, Any] = {"role": "assistant", "content": "A" if not calls else ""}
+    if calls:
+        assistant["tool_calls"] = calls
+    filled = [{**m, "content": SENTINEL.format(i)} for i, m in enumerate(observation)]
+    return [{"role": "user", "content": "U"}, assistant, *filled]
+
+
+class ObservationGlue:
+    """Text and token ids of observation messages as the chat template renders them after an assistant turn."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.stop = end_of_turn(tokenizer)
+        self._pieces: dict[tuple, list[str]] = {}
+
+    def _shape(self, observation: list[dict[str, Any]]) -> tuple:
+        return tuple((m["role"], m.get("name"), m.get("tool_call_id")) for m in observation)
+
+    def pieces(self, observation: list[dict[str, Any]]) -> list[str]:
+        """Template text around the n contents (n + 1 pieces), rendered once per observation shape."""
+        shape = self._shape(observation)
+        if shape not in self._pieces:
+            skeleton = _skeleton(observation)
+            before = _apply(self.tokenizer, skeleton[:2], None, generation_prompt=False)
+            full = _apply(self.tokenizer, skeleton, None, generation_prompt=True)
+            cut = before.rfind(self.stop)
+            if cut < 0 or not full.startswith(before[: cut + len(self.stop)]):
+                raise UserError(
+                    "the chat template is not prefix-stable after an assistant turn (adding a tool result or user "
+                    "message changes how the turn looks), so rollout tokens cannot be spliced; set `model.template`"
+                )
+            tail = full[cut + len(self.stop) :]
+            pieces = []
+            for i in range(len(observation)):
+                head, sep, tail = tail.partition(SENTINEL.format(i))
+                if not sep:
+                    raise UserError(f"the chat template drops the content of a '{observation[i]['role']}' message")
+                pieces.append(head)
+            self._pieces[shape] = [*pieces, tail]
+        return self._pieces[shape]
+
+    def text(self, observation: list[dict[str, Any]]) -> str:
+        pieces = self.pieces(observation)
+        return "".join(p + m["content"] for p, m in zip(pieces, observation, strict=False)) + pieces[-1]
+
+    def ids(self, observation: list[dict[str, Any]]) -> list[int]:
+        return _encode(self.tokenizer, self.text(observation))

@@ -1,0 +1,182 @@
+"""The multi-turn agent loop: generate a turn -> parse tool calls -> step the environment (tools run
+concurrently) -> splice the observation tokens -> repeat, for a whole batch of conversations at once.
+
+Token-in, token-out (DESIGN principle 2): each conversation is one growing token sequence; assistant turns
+are the sampled ids (mask 1, the sampler's log-probs kept), observations are template glue + contents
+tokenized once (``render.glue``; mask 0, log-prob placeholder 0.0). Nothing is ever re-rendered. A
+conversation ends when the environment says so (for tools: a turn without calls, i.e. the final answer),
+after ``agent.max_turns`` assistant turns, or when ``rollout.max_response_len`` (the budget of the whole
+response, observations included) is spent. The response always ends with a sampled token, so the
+sequence score sits on a token the policy produced.
+
+Each live conversation's next turn is generated in ONE batched backend call per round, so the backend
+(hf or vllm) batches across conversations exactly as in single-turn rollouts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlfactory.envs.base import Env, StepResult
+from rlfactory.render.chat import end_of_turn
+from rlfactory.render.glue import ObservationGlue
+from rlfactory.rollout.base import Completion, SamplingParams
+from rlfactory.tools.parsers import TOOL_PARSERS, ParsedTurn, ToolCall, validate_calls
+
+
+@dataclass
+class Conversation:
+    """One sample in flight: the response so far (ids, mask, log-probs), the messages and the per-turn trace."""
+
+    example: dict[str, Any]
+    env: Env
+    messages: list[dict[str, Any]]
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = field(default_factory=list)
+    turns: list[dict[str, Any]] = field(default_factory=list)
+    reward_parts: dict[str, float] = field(default_factory=dict)
+    finish: str | None = None  # answer | env_done | max_turns | length
+    final_text: str = ""
+    pending: list[ToolCall] = field(default_factory=list)  # the last turn's parsed calls, for the env step
+
+    def extend(self, ids: list[int], policy: bool, logprobs: list[float] | None = None) -> None:
+        self.ids += ids
+        self.mask += [int(policy)] * len(ids)
+        if self.logprobs is not None:
+            self.logprobs = None if (policy and logprobs is None) else self.logprobs + (logprobs or [0.0] * len(ids))
+
+
+@dataclass
+class AgentResult:
+    completion: Completion  # the whole response: ids, per-token mask and log-probs, finish_reason
+    final_text: str  # the last assistant turn (what outcome rewards read)
+    turns: list[dict[str, Any]]  # per turn: text, content, calls (with results), observation, reward parts
+    messages: list[dict[str, Any]]  # prompt + generated conversation (renders to the same tokens)
+    finish: str
+    reward_parts: dict[str, float]
+
+    def summary(self) -> dict[str, Any]:
+        """What rewards see as ``example["agent"]``."""
+        return {"turns": self.turns, "finish": self.finish, "reward_parts": self.reward_parts}
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    max_turns: int = 4
+    parser: str = "hermes"
+    max_tokens_per_turn: int | None = None
+
+
+class AgentLoop:
+    """Runs conversations over a generation backend; ``env_factory()`` makes one environment per sample."""
+
+    def __init__(self, backend: Any, tokenizer: Any, tools: dict, settings: AgentSettings, env_factory: Callable):
+        self.backend, self.tokenizer, self.tools = backend, tokenizer, tools
+        self.settings, self.env_factory = settings, env_factory
+        self.parse = TOOL_PARSERS.get(settings.parser)
+        self.glue = ObservationGlue(tokenizer)
+        self.stop = end_of_turn(tokenizer)
+
+    def run(self, examples: list[dict[str, Any]], params: SamplingParams) -> list[AgentResult]:
+        """One conversation per example (repeat an example for several samples); ``params.max_tokens`` is the
+        budget of each whole response."""
+        convs = [self._start(ex) for ex in examples]
+        for turn in range(self.settings.max_turns):
+            live = [c for c in convs if c.finish is None]
+            if not live:
+                break
+            self._generate(live, params)
+            stepping = [c for c in live if c.finish is None]
+            results = asyncio.run(self._step_all(stepping))
+            for conv, result in zip(stepping, results, strict=True):
+                self._observe(conv, result, params.max_tokens, last_turn=turn == self.settings.max_turns - 1)
+        return [self._result(c) for c in convs]
+
+    def _start(self, example: dict[str, Any]) -> Conversation:
+        env = self.env_factory()
+        env.reset(example)
+        return Conversation(example, env, [dict(m) for m in example["messages"]])
+
+    def _generate(self, live: list[Conversation], params: SamplingParams) -> None:
+        """One batched backend call: the next assistant turn of every live conversation, parsed."""
+        left = [params.max_tokens - len(c.ids) for c in live]
+        cap = (
+            max(left)
+            if self.settings.max_tokens_per_turn is None
+            else min(max(left), self.settings.max_tokens_per_turn)
+        )
+        turn_params = SamplingParams(cap, params.temperature, params.top_p, params.top_k)
+        outs = self.backend.generate([c.example["prompt_ids"] + c.ids for c in live], turn_params)
+        for conv, out, budget in zip(live, outs, left, strict=True):
+            ids, logprobs, reason = out.token_ids, out.logprobs, out.finish_reason
+            if len(ids) > budget:  # the batch's cap is the largest budget: cut this one to its own
+                ids, logprobs, reason = ids[:budget], logprobs[:budget] if logprobs else None, "length"
+            conv.extend(ids, True, logprobs)
+            self._parse_turn(conv, ids, reason)
+
+    def _parse_turn(self, conv: Conversation, ids: list[int], reason: str) -> None:
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        body = text[: -len(self.stop)] if reason == "stop" and text.endswith(self.stop) else text
+        parsed: ParsedTurn = self.parse(body)
+        validate_calls(parsed.calls, self.tools)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if any(c.valid for c in parsed.calls):
+            message["tool_calls"] = [c.as_message_call() for c in parsed.calls if c.valid]
+        conv.messages.append(message)
+        conv.pending = parsed.calls
+        conv.final_text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        conv.turns.append(
+            {
+                "assistant": body,
+                "tokens": len(ids),
+                "calls": [
+                    {"name": c.name, "arguments": c.arguments, "error": c.error, "error_kind": c.error_kind}
+                    for c in parsed.calls
+                ],
+            }
+        )
+        if reason == "length":
+            conv.finish = "length"
+
+    async def _step_all(self, convs: list[Conversation]) -> list[StepResult]:
+        async def one(conv: Conversation) -> StepResult:
+            outcome = conv.env.step(conv.messages[-1], conv.pending)
+            return await outcome if inspect.isawaitable(outcome) else outcome
+
+        return list(await asyncio.gather(*(one(c) for c in convs)))
+
+    def _observe(self, conv: Conversation, result: StepResult, budget: int, last_turn: bool) -> None:
+        """Record the step; splice the observation unless the episode ends (the response must end on a sampled
+        token)."""
+        turn = conv.turns[-1]
+        for call, res in zip(turn["calls"], result.tool_results, strict=False):
+            call.update(result=res.content, tool_error=res.error, seconds=round(res.seconds, 4))
+        turn["observation"] = [m["content"] for m in result.observation]
+        turn["reward_parts"] = dict(result.reward_parts)
+        for key, value in result.reward_parts.items():
+            conv.reward_parts[key] = conv.reward_parts.get(key, 0.0) + float(value)
+        if result.done or not result.observation:
+            conv.finish = "answer" if not turn["calls"] else "env_done"
+            return
+        if last_turn:
+            conv.finish = "max_turns"
+            return
+        ids = self.glue.ids(result.observation)
+        if len(conv.ids) + len(ids) >= budget:  # no room left for another sampled token
+            conv.finish = "length"
+            return
+        conv.extend(ids, False)
+        conv.messages += result.observation
+        turn["observation_tokens"] = len(ids)
+
+    def _result(self, conv: Conversation) -> AgentResult:
+        if conv.finish is None:
+            conv.finish = "max_turns"
+        reason = "length" if conv.finish == "length" else "stop"
+        completion = Completion(conv.ids, reason, conv.logprobs, conv.mask)  # type: ignore[arg-type]
+        return AgentResult(completion, conv.final_text, conv.turns, conv.messages, conv.finish, conv.reward_parts)
