@@ -28,12 +28,8 @@ SEED = 1234
 # split name -> number of rows; every split draws fresh, globally unique questions
 TEST_SPLITS = {"sft_eval": 200, "prompts_test": 200, "pref_test": 200}
 TRAIN_SPLITS = {
-    "sft_train": 2000,
-    "prompts_train": 1000,
-    "pref_train": 1000,
-    "kto_train": 1000,
-    "sft_alpaca": 300,
-    "pref_sharegpt": 300,
+    "sft_train": 2000, "prompts_train": 1000, "pref_train": 1000, "kto_train": 1000,
+    "sft_alpaca": 300, "pref_sharegpt": 300,
 }
 # the calculator-tool task (appended last, so the splits above keep their exact content)
 TOOL_SPLITS = {
@@ -246,7 +242,8 @@ def build(out: Path) -> dict[str, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "data", help="data folder (default: repo data/)")
     args = parser.parse_args()
     for path, n in build(args.out).items():
