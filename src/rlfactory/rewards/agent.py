@@ -74,7 +74,7 @@ def turn_penalty(
     -0.2
     """
     turns = len(example.get("agent", {}).get("turns", []))
-    return -per_turn * max(0, turns - free_turns)
+    return -per_turn * max(0, turns - free_turns) or 0.0
 
 
 @REWARD_FUNCTIONS.register("tool_safety")

@@ -149,7 +149,13 @@ def validate(run: Run) -> tuple[dict[str, float], list[dict]]:
         **online_agent.metrics(seen, "val/"),
     }
     rows = [
-        {"prompt": s.example["messages"][-1]["content"], "completion": s.completion, "answer": s.answer, "score": v}
+        {
+            "prompt": s.example["messages"][-1]["content"],
+            "completion": s.completion,
+            "answer": s.answer,
+            "score": v,
+            **online_agent.trace_fields(s.example),
+        }
         for s, v in zip(samples, values, strict=True)
     ]
     return metrics, rows

@@ -92,10 +92,15 @@ def generate_and_score(
         groups += [run.state["group"]] * copies
         run.state["group"] += 1
     decode = run.tokenizer.decode
-    texts = [decode(c.token_ids, skip_special_tokens=True) if f is None else f for c, f in zip(completions, finals)]
-    samples = [
-        Sample(ex["prompt_text"], text, ex.get("answer"), ex, len(c.token_ids))
-        for ex, c, text in zip(seen, completions, texts, strict=True)
+    samples = [  # multi-turn: rewards read the last assistant turn (``final``)
+        Sample(
+            ex["prompt_text"],
+            decode(c.token_ids, skip_special_tokens=True) if final is None else final,
+            ex.get("answer"),
+            ex,
+            len(c.token_ids),
+        )
+        for ex, c, final in zip(seen, completions, finals, strict=True)
     ]
     with run.timer("reward"):
         scores = run.rewards.score(samples)
