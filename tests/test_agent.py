@@ -33,6 +33,7 @@ class ScriptedBackend:
     def __init__(self, tokenizer, scripts: dict[str, list[str]], stop: str = "<|im_end|>"):
         self.tok, self.scripts, self.stop = tokenizer, scripts, stop
         self.calls: list[int] = []
+        self.turn_of = lambda text: text.count("<|im_start|>assistant") - 1
 
     def generate(self, prompts, params):
         self.calls.append(len(prompts))
@@ -40,7 +41,7 @@ class ScriptedBackend:
         for ids in prompts:
             text = self.tok.decode(ids)
             key = next(k for k in self.scripts if k in text)
-            turn = text.count("<|im_start|>assistant") - 1
+            turn = self.turn_of(text)
             ids = self.tok.encode(self.scripts[key][turn] + self.stop, add_special_tokens=False)
             if len(ids) > params.max_tokens:
                 out.append(Completion(ids[: params.max_tokens], "length", [-0.5] * params.max_tokens))
@@ -274,3 +275,34 @@ def test_policy_loss_ignores_tokens_the_policy_did_not_sample(tokenizer, calc):
     junk["old_logprobs"] = torch.where(spliced, torch.full_like(current, -50.0), current)
     junk_loss, junk_grads = loss_and_grads(junk)
     assert junk_loss == loss and all(torch.equal(a, b) for a, b in zip(grads, junk_grads, strict=True))
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama3", "gemma_tools"])
+def test_glue_and_agent_tokens_match_the_training_render_for_named_templates(tokenizer, calc, name):
+    """The same identity for the named templates (chatml renders each tool result as its own turn, llama3 as
+    ipython turns, gemma_tools inside Gemma's user turns): splicing == rendering the whole conversation."""
+    import copy
+
+    from rlfactory.render.templates import get_template
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template, tok.end_of_turn = get_template(name).jinja, get_template(name).end_of_turn
+    call = _call("12 + 7") if name != "llama3" else None
+    turns = (
+        [call, "The answer is 40."]
+        if call
+        else ['{"name": "calculator", "parameters": {"expression": "12 + 7"}}', "The answer is 40."]
+    )
+    backend = ScriptedBackend(tok, {"Q1": turns}, stop=tok.end_of_turn)
+    backend_turn = lambda text: text.count({"chatml": "<|im_start|>assistant", "llama3": "assistant<|end_header_id|>",
+                                            "gemma_tools": "<start_of_turn>model"}[name]) - 1  # fmt: skip
+    backend.turn_of = backend_turn
+    example = _example(tok, "Q1")
+    factory = build_env_factory("tools", calc, ExecLimits(), {})
+    settings = AgentSettings(4, "json" if name == "llama3" else "hermes")
+    [res] = AgentLoop(backend, tok, calc, settings, factory).run([example], SamplingParams(400))
+    assert res.finish == "answer" and len(res.turns) == 2 and res.turns[0]["calls"][0]["result"] == "19"
+    segments = [s for s in render_segments(tok, res.messages, example["tools"]) if s.message_index >= 0]
+    n_prompt = len(example["prompt_ids"])
+    assert [t for s in segments for t in s.ids][n_prompt:] == res.completion.token_ids
+    assert [int(s.trainable) for s in segments for _ in s.ids][n_prompt:] == res.completion.mask

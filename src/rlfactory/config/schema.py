@@ -461,8 +461,8 @@ class RunConfig(Section):
     critic: CriticConfig | None = Field(None, description="Stage ppo only.")
     tools: list[ToolSpec] = Field(
         default_factory=list,
-        description="Tools the model may call: their schemas go into the chat template (rows without a `tools` "
-        "column get them); ppo/grpo run them in the agent loop.",
+        description="ppo/grpo: tools the model may call, run in the agent loop; their schemas go into the chat "
+        "template of rows without a `tools` column. Offline stages read schemas from the dataset's tools column.",
     )
     agent: AgentConfig | None = Field(None, description="Stages ppo and grpo only.")
 
@@ -500,6 +500,11 @@ class RunConfig(Section):
             if self.stage == "grpo" and self.rollout.num_samples < 2:
                 raise ValueError("grpo compares samples of the same prompt: rollout.num_samples must be >= 2")
             self._online_rules()
+        if self.tools and self.stage not in ("ppo", "grpo"):
+            raise ValueError(
+                f"tools: stage {self.stage} trains on recorded conversations; it reads tool schemas from the "
+                "dataset's tools column (columns: {tools: <column>}). Remove `tools:` (it is for ppo/grpo rollouts)"
+            )
         if self.dpo is not None and self.dpo.ref_model and self.dpo.loss_type in ("simpo",):
             raise ValueError(f"dpo.loss_type '{self.dpo.loss_type}' is reference-free: remove dpo.ref_model")
         return self

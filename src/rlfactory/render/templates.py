@@ -55,9 +55,35 @@ _LLAMA3 = (
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
 
+# Gemma turns with tools (Gemma's own template allows only alternating user/model turns): the system text and
+# the tool schemas open the first user turn, calls are Hermes-style blocks, results come back as a user turn.
+_GEMMA_TOOLS = (
+    "{{ bos_token }}"
+    "{% set system = messages[0].content if messages[0].role == 'system' else '' %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'user' %}<start_of_turn>user\n"
+    "{% if loop.index0 == (1 if system else 0) %}"
+    "{% if system %}{{ system }}{{ '\n\n' }}{% endif %}"
+    "{% if tools %}# Tools\n\nYou may call functions. Function signatures:\n<tools>"
+    "{% for tool in tools %}{{ '\n' }}{{ tool | tojson }}{% endfor %}{{ '\n' }}</tools>\n\n"
+    'Reply with <tool_call>{"name": <function-name>, "arguments": <args-json-object>}</tool_call>'
+    "{{ '\n\n' }}{% endif %}{% endif %}"
+    "{{ message.content }}<end_of_turn>\n"
+    "{% elif message.role == 'assistant' %}<start_of_turn>model\n{{ message.content }}"
+    "{% for call in message.tool_calls or [] %}"
+    "{% if not loop.first or message.content %}{{ '\n' }}{% endif %}"
+    '<tool_call>\n{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}'
+    "\n</tool_call>{% endfor %}<end_of_turn>\n"
+    "{% elif message.role == 'tool' %}<start_of_turn>user\n<tool_response>\n{{ message.content }}"
+    "\n</tool_response><end_of_turn>\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
 TEMPLATES: dict[str, NamedTemplate] = {
     "chatml": NamedTemplate(_CHATML, "<|im_end|>"),
     "llama3": NamedTemplate(_LLAMA3, "<|eot_id|>"),
+    "gemma_tools": NamedTemplate(_GEMMA_TOOLS, "<end_of_turn>"),
 }
 
 
