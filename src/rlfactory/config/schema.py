@@ -274,7 +274,8 @@ class RewardConfig(Section):
     functions: dict[str, float] = Field(
         default_factory=dict,
         description="Reward functions -> weight. A name from the registry (answer_match, math_match, format_regex, "
-        "think_format, json_format, length_penalty) or `path/to/file.py:function`, called as "
+        "think_format, json_format, length_penalty; multi-turn: tool_call_validity, tool_errors, tool_format, "
+        "turn_penalty, tool_safety, env_reward) or `path/to/file.py:function`, called as "
         "fn(prompt, completion, answer, example) -> float | dict (sync or async).",
     )
     function_args: dict[str, dict[str, Any]] = Field(
