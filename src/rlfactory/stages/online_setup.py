@@ -77,7 +77,6 @@ def load_prompt_sets(cfg: RunConfig) -> tuple[list[dict], list[dict], list[Any]]
 
     assert cfg.reward is not None
     check_algorithm(cfg)
-    check_backend(cfg)
     components = build_components(cfg.reward)
     for path, what in (
         (cfg.reward.reward_model, "reward.reward_model"),
