@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.conftest import DATA_DIR, TINY_MODEL, run_cli, write_yaml
 
 from rlfactory.config.schema import RunConfig
 from rlfactory.engine.run_dir import read_log
 from rlfactory.rollout.base import SamplingParams
-from tests.conftest import DATA_DIR, TINY_MODEL, run_cli, write_yaml
 
 pytest.importorskip("vllm", reason="needs vLLM (the GPU kit: shared/gpu/README.md)")
 pytestmark = pytest.mark.vllm
