@@ -225,7 +225,8 @@ def mismatch(batch: dict[str, torch.Tensor]) -> dict[str, float]:
     trainer = batch.get("old_logprobs", batch.get("trainer_logprobs"))
     if "sampler_logprobs" not in batch or trainer is None:
         return {}
-    return mismatch_metrics(trainer, batch["sampler_logprobs"], batch["response_mask"])
+    seen = torch.isfinite(trainer)  # rows of a skipped mini-batch (nothing in the loss) have no trainer log-probs
+    return mismatch_metrics(trainer.nan_to_num(0.0), batch["sampler_logprobs"], batch["response_mask"] * seen)
 
 
 def batch_metrics(samples: list[dict], generated: list[dict], failures: dict[str, int], batch: dict) -> dict:

@@ -181,7 +181,7 @@ def actor_loss_fn(
     correction = IS_CORRECTIONS.get(is_correction)
     sampled = "sampler_logprobs" in batch
     if sampled and "old_logprobs" not in batch:
-        batch["trainer_logprobs"] = torch.zeros_like(batch["sampler_logprobs"])
+        batch["trainer_logprobs"] = torch.full_like(batch["sampler_logprobs"], float("nan"))  # NaN: row not seen
     kl_fn = KL_ESTIMATORS.get(alg.kl_loss_estimator)
     loss_cfg = {k: v for k, v in (("clip_low", alg.clip_low), ("clip_high", alg.clip_high)) if v is not None}
     loss_cfg["clip_c"] = alg.clip_c
