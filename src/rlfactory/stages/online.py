@@ -5,8 +5,10 @@ checkpoint, then save. What one step does is ``stages/online_step.py``; the tens
 Design notes:
 - one process for now (a clear error under ``accelerate launch`` with several processes);
   Accelerate still owns device placement, mixed precision, backward, clipping and checkpoints.
-- generation runs on the policy itself (HF backend), so there is no weight sync; a vLLM backend
-  will use ``backend.sync_weights`` after each step.
+- generation runs on the policy itself (hf backend, no weight sync) or on a vLLM engine in this process
+  (vllm backend): that one gets the policy's weights once at the start (after a resume they differ from
+  the checkpoint on disk) and after every update (``online_step``), and its log-probs are compared with
+  the trainer's every step.
 - validation is greedy on ``evaluation.dataset``: ``val/score`` (``evaluation.metric``, i.e. accuracy
   for answer_match) and ``val/reward/*`` (the reward stack), at step 0, every ``train.eval_steps`` and
   at the end; the first and last give the before/after line of the summary.
@@ -94,7 +96,7 @@ def build_run(
         )
     for example in prompts + eval_prompts:
         example["prompt_text"] = tokenizer.decode(example["prompt_ids"])
-    backend = build_backend(ro.backend, accelerator.unwrap_model(policy), tokenizer, ro.generation_batch_size)
+    backend = build_backend(cfg, accelerator.unwrap_model(policy), tokenizer)
     from rlfactory.stages.online_agent import build_agent
 
     return Run(
@@ -194,6 +196,8 @@ def train(
         run.state = engine.load_checkpoint(run.accelerator, resume_from, run.out)
         run.kl_ctrl.value = run.state.get("kl_coef", run.kl_ctrl.value)
         run.accelerator.print(f"resumed from {resume_from} at step {run.state['step']}")
+    if run.backend.syncs_weights:  # merged adapter_paths, a resumed policy: the engine loaded other weights
+        run.backend.sync_weights(run.accelerator.unwrap_model(run.policy))
     ro = cfg.rollout
     assert ro is not None
     run.accelerator.print(
@@ -248,6 +252,7 @@ def _finish(run: Run, last: dict, before: dict | None, after: dict | None) -> tu
     if cfg.logging.plot_loss:
         run_dir.plot_log(run.out, ("loss", "score/mean", "val/score"))
     accelerator.end_training()
+    run.backend.close()
     extra: dict[str, Any] = {}
     if after is not None:
         n = len(run.eval_prompts)

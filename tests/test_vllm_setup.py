@@ -1,0 +1,85 @@
+"""The vLLM backend without an engine (main venv): the clear error when vLLM is missing, and the pure helpers
+that turn a run config and a policy into engine arguments, requests and checkpoint-format weights."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tests.conftest import DATA_DIR, TINY_MODEL, run_cli, write_yaml
+
+from rlfactory.config.schema import RunConfig
+from rlfactory.rollout.vllm import base_weights, engine_kwargs, runs_of_prompts, sync_mode
+
+
+def grpo_vllm(tmp_path: Path, **rollout) -> dict:
+    return {
+        "stage": "grpo",
+        "output_dir": str(tmp_path / "out"),
+        "model": {"name_or_path": str(TINY_MODEL), "finetuning": "lora"},
+        "lora": {"r": 8, "alpha": 16},
+        "data": {"dataset": "arith_prompts", "dataset_dir": str(DATA_DIR)},
+        "rollout": {"backend": "vllm", "prompts_per_step": 4, "num_samples": 2, "max_response_len": 24, **rollout},
+        "reward": {"functions": {"answer_match": 1.0}},
+        "train": {"max_steps": 2},
+        "logging": {"progress_bar": False, "plot_loss": False},
+    }
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
+def test_vllm_backend_without_vllm_is_one_clear_error(tmp_path: Path):
+    result = run_cli("train", str(write_yaml(tmp_path / "run.yaml", grpo_vllm(tmp_path))))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "rollout.backend: vllm needs the vllm package" in result.stderr
+    assert "rollout.backend: hf" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()  # refused before any model loads or anything is written
+
+
+def test_the_training_path_imports_vllm_lazily():
+    code = (
+        "import sys; import rlfactory.cli, rlfactory.stages.online, rlfactory.rollout.base, rlfactory.rollout.vllm; "
+        "print('vllm' in sys.modules)"
+    )
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def test_runs_of_equal_prompts_become_n_samples():
+    assert runs_of_prompts([[1, 2], [1, 2], [3], [1, 2]]) == [([1, 2], 2), ([3], 1), ([1, 2], 1)]
+
+
+def test_engine_kwargs_follow_the_config(tmp_path: Path):
+    from rlfactory.model.loader import load_model
+
+    cfg = RunConfig.model_validate(
+        grpo_vllm(tmp_path, max_prompt_len=100, enable_sleep_mode=True, gpu_memory_utilization=0.5)
+        | {"evaluation": {"max_new_tokens": 40}, "lora": {"r": 12, "alpha": 24}}
+    )
+    policy = load_model(cfg.model, cfg.lora, cfg.freeze)
+    assert sync_mode(cfg, policy) == "adapter"
+    cpu = engine_kwargs(cfg, policy, "adapter", on_cpu=True)
+    assert cpu["max_model_len"] == 140 and cpu["dtype"] == "float32" and cpu["enforce_eager"]
+    assert cpu["enable_lora"] and cpu["max_lora_rank"] == 16  # rounded up to a rank vLLM's kernels have
+    assert not cpu["enable_sleep_mode"]  # no sleep mode on CPU
+    assert cpu["logprobs_mode"] == "processed_logprobs" and cpu["generation_config"] == "vllm"
+    gpu = engine_kwargs(cfg, policy, "merged", on_cpu=False)
+    assert gpu["enable_sleep_mode"] and gpu["gpu_memory_utilization"] == 0.5 and "enable_lora" not in gpu
+    assert gpu["dtype"] == "bfloat16"  # fp32 weights trained under bf16 autocast generate in bf16
+
+
+def test_base_weights_are_checkpoint_names_without_lora(tmp_path: Path):
+    from transformers import AutoModelForCausalLM
+
+    from rlfactory.model.loader import load_model
+
+    cfg = RunConfig.model_validate(grpo_vllm(tmp_path))
+    policy = load_model(cfg.model, cfg.lora, cfg.freeze)
+    plain = AutoModelForCausalLM.from_pretrained(TINY_MODEL)
+    names = dict(base_weights(policy))
+    assert set(names) == {n for n, _ in plain.named_parameters()}
+    assert all(torch.equal(names[n], p) for n, p in plain.named_parameters())
