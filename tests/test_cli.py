@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from tests.conftest import ROOT, TINY_MODEL, run_cli, write_yaml
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from tests.conftest import write_yaml
 
 from rlfactory.config.loader import apply_overrides, load_config, validate_config
 from rlfactory.config.schema import PipelineConfig, RunConfig
 from rlfactory.errors import UserError
-from tests.conftest import write_yaml
 
 BASE = {"stage": "sft", "model": {"name_or_path": "m"}, "data": {"dataset": "d"}}
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tests.conftest import DATA_DIR
 
 from rlfactory.data.loader import load_examples
 from rlfactory.errors import UserError
-from tests.conftest import DATA_DIR
 
 
 def make_registry(tmp_path: Path, entries: dict, files: dict[str, object]) -> Path:
@@ -136,7 +136,10 @@ def test_invalid_json_line_and_tools(tmp_path: Path):
 @pytest.mark.parametrize(
     ("row", "message"),
     [
-        ({"messages": [{"role": "user", "content": "q"}], "chosen": "", "rejected": "b"}, "'chosen' is missing or empty"),
+        (
+            {"messages": [{"role": "user", "content": "q"}], "chosen": "", "rejected": "b"},
+            "'chosen' is missing or empty",
+        ),
         ({"messages": [{"role": "user", "content": "q"}], "rejected": "b"}, "missing column 'chosen'"),
         ({"messages": [{"role": "user", "content": "q"}], "chosen": "a", "rejected": "a"}, "identical"),
         ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.conftest import DATA_DIR, ROOT, TINY_MODEL, run_cli, write_yaml
 
 from rlfactory.config.loader import validate_config
 from rlfactory.config.schema import ModelConfig
@@ -20,7 +21,6 @@ from rlfactory.engine.run_dir import read_log
 from rlfactory.model.loader import load_tokenizer
 from rlfactory.render.chat import render_sft
 from rlfactory.stages import sft
-from tests.conftest import DATA_DIR, ROOT, TINY_MODEL, run_cli, write_yaml
 
 
 def _losses(out: Path) -> dict[int, float]:

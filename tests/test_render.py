@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from tests.conftest import TINY_MODEL
 
 from rlfactory.config.schema import ModelConfig
 from rlfactory.errors import UserError
 from rlfactory.model.loader import load_tokenizer
 from rlfactory.render.chat import IGNORE_INDEX, render_continuation, render_prompt, render_segments, render_sft
-from tests.conftest import TINY_MODEL
 
 TOOLS = [{"type": "function", "function": {"name": "calc", "description": "Evaluate arithmetic.",
                                            "parameters": {"type": "object", "properties": {"expr": {"type": "string"}},
@@ -115,7 +115,8 @@ def test_non_prefix_stable_template_is_refused():
     # a template that rewrites history (drops earlier assistant turns, like some reasoning templates)
     tokenizer.chat_template = (
         "{% for m in messages %}{% if m.role != 'assistant' or loop.last %}<|im_start|>{{ m.role }}\n"
-        "{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+        "{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     with pytest.raises(UserError, match="not prefix-stable"):
         render_sft(tokenizer, CONVERSATION[:2] + [CONVERSATION[4]] + CONVERSATION[5:], None)

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.conftest import DATA_DIR, TINY_MODEL, run_cli, write_yaml
 
 from rlfactory.engine.run_dir import read_log
-from tests.conftest import DATA_DIR, TINY_MODEL, run_cli, write_yaml
 
 
 def _cfg(tmp_path: Path, finetuning: str, packing: bool) -> dict:
