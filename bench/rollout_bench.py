@@ -1,5 +1,5 @@
 """Rollout benchmarks on the GPU machine, one command: vLLM vs HF generation, GRPO steps with vLLM in both LoRA
-sync modes, and peak GPU memory with and without sleep mode.
+sync modes side by side with TRL's GRPOTrainer, and peak GPU memory with and without sleep mode.
 
     source .gpu/vllm/setup.sh && export PYTHONPATH=$PWD/src:$PWD:$PYTHONPATH HF_HUB_OFFLINE=1
     python3 bench/rollout_bench.py                                  # all cases, Qwen2.5-0.5B shape
@@ -12,14 +12,23 @@ emit the end-of-turn token (1 in 151,936 per token), so GRPO completions run to 
 - gen:    64 prompts x 8 samples x 256 new tokens (ignore_eos): HFBackend vs VLLMBackend (CUDA graphs), tokens/s.
 - grpo:   GRPO, LoRA r=16 all-linear, 8 prompts x 8 samples x 256 tokens, beta 0, for lora_sync adapter and
           merged: median step time, timing_s/* breakdown, rollout/logprob_diff_{mean,max}, rollout/prob_pearson.
-- memory: the same GRPO run (adapter) with enable_sleep_mode false/true: peak device memory used by the process.
-Each case runs in its own subprocess (a fresh CUDA context, so peak memory is its own); one JSON line each.
+- trl:    TRL's GRPOTrainer on the same model, data, batch and lengths: LoRA r=16 all-linear, use_vllm +
+          vllm_mode colocate, beta 0, 16 completions per micro-batch x 4 accumulation steps = one generation of
+          8 prompts x 8 samples per optimizer step, ignore_eos; TRL's other defaults (gradient checkpointing,
+          vLLM importance-sampling correction, so its extra no-grad log-prob pass). ``--trl-no-gc`` adds a run
+          without gradient checkpointing.
+- memory: the adapter GRPO run with enable_sleep_mode true (its peak vs the grpo adapter run, sleep off).
+
+Step time, for ours and TRL alike: the wall-clock interval between consecutive step ends, median over the steps
+after ``--warmup``. Each case runs in its own subprocess (a fresh CUDA context, so peak memory is its own);
+one JSON line each (also appended to ``--out``), then a table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -51,6 +60,17 @@ SHAPES = {
         tie_word_embeddings=True,
     ),
 }
+BREAKDOWN = ("gen", "reward", "ref", "old_logprob", "adv", "update_actor", "sync")
+# TRL's own profiling names (_prepare_inputs holds the generation, rewards and the no-grad log-prob pass;
+# compute_loss the forward of the update, without its backward), and our timer of that no-grad pass
+TRL_BREAKDOWN = (
+    "vLLM.generate",
+    "transformers.generate",
+    "sync_weights",
+    "logps_nograd",
+    "_prepare_inputs",
+    "compute_loss",
+)
 
 
 def make_model_dir(shape: str, out: Path) -> Path:
@@ -92,6 +112,27 @@ class PeakMemory:
         self.thread.join()
 
 
+class StepClock:
+    """Wall-clock intervals between consecutive step ends (the first interval starts at ``start``)."""
+
+    def __init__(self):
+        self.last: float | None = None
+        self.intervals: list[float] = []
+
+    def start(self) -> None:
+        self.last = time.perf_counter()
+
+    def tick(self) -> None:
+        now = time.perf_counter()
+        if self.last is not None:
+            self.intervals.append(now - self.last)
+        self.last = now
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
 def case_gen(args, model_dir: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -114,7 +155,7 @@ def case_gen(args, model_dir: Path) -> dict:
     params = SamplingParams(args.tokens, temperature=1.0, ignore_eos=True)
     backend.generate(repeated[: args.samples], SamplingParams(8, 1.0, ignore_eos=True))  # warmup
     times = []
-    for _ in range(args.repeats):
+    for _ in range(args.repeats if args.impl == "vllm" else 1):  # HF generate is slow: one timed run
         sync()
         start = time.perf_counter()
         out = backend.generate(repeated, params)
@@ -124,28 +165,37 @@ def case_gen(args, model_dir: Path) -> dict:
     return {
         "case": "gen",
         "impl": args.impl,
+        "sequences": len(repeated),
         "tokens": tokens,
-        "seconds": statistics.median(times),
-        "tokens_per_s": tokens / statistics.median(times),
+        "seconds": round(statistics.median(times), 4),
+        "tokens_per_s": round(tokens / statistics.median(times), 1),
     }
 
 
 def _grpo_cfg(args, model_dir: Path, out: Path, backend: str, sync: str, sleep: bool) -> dict:
+    import torch
+
     return {
         "stage": "grpo",
         "output_dir": str(out),
         "overwrite_output_dir": True,
-        "model": {"name_or_path": str(model_dir), "finetuning": "lora", "gradient_checkpointing": False},
+        "model": {
+            "name_or_path": str(model_dir),
+            "finetuning": "lora",
+            "dtype": "bfloat16" if torch.cuda.is_available() else "float32",
+            "gradient_checkpointing": False,
+        },
         "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear", "dropout": 0.0},
         "data": {"dataset": "arith_prompts", "dataset_dir": str(ROOT / "data")},
         "rollout": {
             "backend": backend,
             "lora_sync": sync,
-            "prompts_per_step": args.prompts // 8 or 1,
+            "prompts_per_step": args.grpo_prompts,
             "num_samples": args.samples,
+            "max_prompt_len": 256,
             "max_response_len": args.tokens,
             "enable_sleep_mode": sleep,
-            "gpu_memory_utilization": 0.3,
+            "gpu_memory_utilization": args.gpu_mem,
             "enforce_eager": args.eager,
             "generation_batch_size": 512,
         },
@@ -153,12 +203,12 @@ def _grpo_cfg(args, model_dir: Path, out: Path, backend: str, sync: str, sleep: 
         "algorithm": {"adv_estimator": "grpo", "kl_loss_coef": 0.0, "loss_agg": "token-mean"},
         "train": {
             "max_steps": args.steps,
-            "per_device_batch_size": 16,
+            "per_device_batch_size": args.micro,
             "learning_rate": 1e-5,
             "lr_scheduler": "constant",
         },
         "evaluation": {"dataset": None},
-        "logging": {"progress_bar": False, "plot_loss": False, "rollout_trace_steps": None},
+        "logging": {"logging_steps": 1, "progress_bar": False, "plot_loss": False, "rollout_trace_steps": None},
     }
 
 
@@ -168,48 +218,225 @@ def case_grpo(args, model_dir: Path) -> dict:
 
     from rlfactory.cli import main
     from rlfactory.engine.run_dir import read_log
+    from rlfactory.stages import online
 
     out = Path(tempfile.mkdtemp())
     cfg = _grpo_cfg(args, model_dir, out / "run", args.impl, args.sync, args.sleep)
     (out / "run.yaml").write_text(yaml.safe_dump(cfg))
+    clock, inner = StepClock(), online.step
+
+    def timed_step(run, index):
+        if clock.last is None:
+            clock.start()
+        result = inner(run, index)
+        clock.tick()
+        return result
+
+    online.step = timed_step
     with PeakMemory() as memory:
         code = main(["train", str(out / "run.yaml")])
-    steps = [r for r in read_log(out / "run") if "score/mean" in r][args.warmup :]
-    median = lambda key: statistics.median(r[key] for r in steps) if steps and key in steps[0] else None
+    records = [r for r in read_log(out / "run") if "score/mean" in r]
+    steps = records[args.warmup :]
+    median = lambda key: _median([r[key] for r in steps if key in r])
     keys = sorted({k for r in steps for k in r if k.startswith(("timing_s/", "rollout/logprob", "rollout/prob"))})
+    step_s = _median(clock.intervals[args.warmup :])
+    generated = median("rollout/generated_samples") or 0
+    length = median("response_length/mean") or 0
     return {
         "case": args.case,
         "impl": args.impl,
         "sync": args.sync,
         "sleep": args.sleep,
+        "micro": args.micro,
         "exit": code,
         "steps": len(steps),
+        "step_s": round(step_s, 4) if step_s else None,
+        "gen_tokens_per_s": round(generated * length / step_s, 1) if step_s else None,
+        "response_length": length,
         "peak_device_gb": round(memory.peak / 2**30, 2),
+        "intervals_s": [round(x, 4) for x in clock.intervals],
         **{k: median(k) for k in keys},
+        "logprob_diff_mean_per_step": [r.get("rollout/logprob_diff_mean") for r in records],
+    }
+
+
+def case_trl(args, model_dir: Path) -> dict:
+    """TRL 1.16 GRPOTrainer, run the same way (see the module doc)."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.extras import profiling
+
+    from rlfactory.data.loader import load_examples
+
+    cuda = torch.cuda.is_available()
+    examples = load_examples(["arith_prompts"], "prompt", str(ROOT / "data"))
+    dataset = Dataset.from_list([{"prompt": ex["messages"], "answer": str(ex["answer"])} for ex in examples])
+
+    def answer_match(completions, answer, **kwargs):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [float(a in text) for text, a in zip(texts, answer, strict=True)]
+
+    # TRL's own phase timers (vLLM.generate, sync_weights) go to wandb/mlflow only: collect them here
+    phases: dict[str, float] = {}
+    profiling.ProfilingContext._log_metrics = lambda self, d: phases.__setitem__(
+        self.name.split(".", 1)[-1], phases.get(self.name.split(".", 1)[-1], 0.0) + d
+    )
+    logps_inner = GRPOTrainer._get_per_token_logps_and_entropies
+
+    def timed_logps(self, *a, **k):
+        if torch.is_grad_enabled():
+            return logps_inner(self, *a, **k)
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = logps_inner(self, *a, **k)
+        if cuda:
+            torch.cuda.synchronize()
+        phases["logps_nograd"] = phases.get("logps_nograd", 0.0) + time.perf_counter() - start
+        return out
+
+    GRPOTrainer._get_per_token_logps_and_entropies = timed_logps
+    clock, per_step, records = StepClock(), [], []
+
+    class Timer(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            clock.start()
+
+        def on_step_end(self, *a, **k):
+            clock.tick()
+            per_step.append(dict(phases))
+            phases.clear()
+
+        def on_log(self, a, state, control, logs=None, **k):
+            records.append(dict(logs or {}))
+
+    micro = min(16, args.grpo_prompts * args.samples)  # as ours: micro-batches of 16 completions
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        max_steps=args.steps,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=args.grpo_prompts * args.samples // micro,
+        num_generations=args.samples,
+        max_completion_length=args.tokens,
+        temperature=1.0,
+        beta=0.0,
+        learning_rate=1e-5,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        bf16=cuda,
+        gradient_checkpointing=not args.trl_no_gc,
+        model_init_kwargs={"dtype": "bfloat16" if cuda else "float32"},
+        use_vllm=cuda,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=args.gpu_mem,
+        vllm_max_model_length=256 + args.tokens,
+        generation_kwargs={"ignore_eos": True} if cuda else None,
+        seed=0,
+        disable_tqdm=True,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(
+        model=str(model_dir),
+        reward_funcs=answer_match,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=lora,
+        callbacks=[Timer()],
+    )
+    with PeakMemory() as memory:
+        trainer.train()
+    step_s = _median(clock.intervals[args.warmup :])
+    steps = [r for r in records if "completions/mean_length" in r][args.warmup :]
+    length = _median([r["completions/mean_length"] for r in steps]) or 0
+    kept = per_step[args.warmup :]
+    breakdown = {f"trl_s/{k}": round(_median([p.get(k, 0.0) for p in kept]), 4) for k in sorted(set().union(*kept))}
+    return {
+        "case": args.case,
+        "impl": "trl",
+        "gradient_checkpointing": not args.trl_no_gc,
+        "steps": len(clock.intervals[args.warmup :]),
+        "step_s": round(step_s, 4) if step_s else None,
+        "gen_tokens_per_s": round(args.grpo_prompts * args.samples * length / step_s, 1) if step_s else None,
+        "response_length": length,
+        "peak_device_gb": round(memory.peak / 2**30, 2),
+        "intervals_s": [round(x, 4) for x in clock.intervals],
+        **breakdown,
     }
 
 
 def run_one(args) -> None:
     model_dir = Path(args.model_dir)
-    result = case_gen(args, model_dir) if args.case == "gen" else case_grpo(args, model_dir)
+    cases = {"gen": case_gen, "trl": case_trl}
+    result = cases.get(args.case, case_grpo)(args, model_dir)
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def table(results: list[dict]) -> str:
+    """The summary: generation throughput, then GRPO steps with the ratio to TRL (default config) and breakdown."""
+    lines = []
+    gen = [r for r in results if r.get("case") == "gen"]
+    if gen:
+        lines += ["| generation | sequences | tokens | s | tokens/s |", "|---|---|---|---|---|"]
+        for r in gen:
+            row = (r["impl"], r["sequences"], r["tokens"], r["seconds"], f"{r['tokens_per_s']:,.0f}")
+            lines.append("| " + " | ".join(map(str, row)) + " |")
+        lines.append("")
+    steps = [r for r in results if r.get("case") in ("grpo", "memory", "trl") and r.get("step_s")]
+    trl = next((r for r in steps if r["impl"] == "trl" and r.get("gradient_checkpointing")), None)
+    if steps:
+        lines += [
+            "| run | step s | gen tokens/s | ours/TRL | peak GB | logprob diff mean / max | breakdown s |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in steps:
+            if r["impl"] == "trl":
+                name = "TRL GRPOTrainer" + ("" if r.get("gradient_checkpointing") else " (no grad. ckpt)")
+                parts = {k: r[f"trl_s/{k}"] for k in TRL_BREAKDOWN if r.get(f"trl_s/{k}") is not None}
+                diff = "-"
+            else:
+                name = f"ours {r['impl']} {r['sync']}" + (" +sleep" if r.get("sleep") else "")
+                parts = {k: r[f"timing_s/{k}"] for k in BREAKDOWN if r.get(f"timing_s/{k}") is not None}
+                mean, mx = r.get("rollout/logprob_diff_mean"), r.get("rollout/logprob_diff_max")
+                diff = f"{mean:.2e} / {mx:.2e}" if mean is not None else "-"
+            ratio = f"{trl['step_s'] / r['step_s']:.2f}x" if trl else "-"
+            text = ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
+            lines.append(
+                f"| {name} | {r['step_s']:.3f} | {r['gen_tokens_per_s']:,.0f} | {ratio} | {r['peak_device_gb']} | "
+                f"{diff} | {text} |"
+            )
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default="gen,grpo,memory")
+    parser.add_argument("--cases", default="gen,grpo,trl,memory", help="any of gen, grpo, trl, memory")
     parser.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
-    parser.add_argument("--prompts", type=int, default=64, help="gen: prompts; grpo: prompts x 8 per step / 8")
+    parser.add_argument("--prompts", type=int, default=64, help="gen: prompts")
+    parser.add_argument("--grpo-prompts", type=int, default=8, help="grpo/trl: prompts per step")
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=2, help="grpo steps left out of the medians")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3, help="grpo steps left out of the medians")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--micro", type=int, default=16, help="ours: train.per_device_batch_size")
+    parser.add_argument("--syncs", default="adapter,merged", help="grpo: lora_sync modes")
+    parser.add_argument("--gpu-mem", type=float, default=0.3, help="vLLM gpu_memory_utilization (both)")
     parser.add_argument("--eager", action="store_true", help="vLLM without CUDA graphs (faster start)")
+    parser.add_argument("--trl-no-gc", action="store_true", help="trl: also a run without gradient checkpointing")
+    parser.add_argument("--impl", default=None, help="grpo/memory: rollout backend (vllm; hf for CPU smoke)")
+    parser.add_argument("--out", default=None, help="append every result line (JSON) to this file")
+    parser.add_argument("--log", default=None, help="append every case's stdout/stderr to this file")
+    parser.add_argument("--case-timeout", type=int, default=420, help="seconds before a case is killed")
     # internal: one case in a subprocess
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
-    parser.add_argument("--impl", default="vllm", help=argparse.SUPPRESS)
     parser.add_argument("--sync", default="adapter", help=argparse.SUPPRESS)
     parser.add_argument("--sleep", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -217,25 +444,54 @@ def main() -> None:
     if args.one:
         return run_one(args)
     model_dir = make_model_dir(args.shape, Path(tempfile.mkdtemp()) / "model")
+    impl = args.impl or "vllm"
     runs = []
     cases = args.cases.split(",")
-    if "gen" in cases:
-        runs += [["--case", "gen", "--impl", impl] for impl in ("hf", "vllm")]
+    # the side-by-side speed runs first: what a cut-off call still brings back
+    if "trl" in cases:
+        runs += [["--case", "trl"]]
     if "grpo" in cases:
-        runs += [["--case", "grpo", "--sync", sync] for sync in ("adapter", "merged")]
-    if "memory" in cases:
-        runs += [["--case", "memory", "--sync", "adapter"] + sleep for sleep in ([], ["--sleep"])]
-    passthrough = [f"--{k}={getattr(args, k)}" for k in ("prompts", "samples", "tokens", "steps", "warmup", "repeats")]
+        runs += [["--case", "grpo", "--impl", impl, "--sync", s] for s in args.syncs.split(",")]
+    if "trl" in cases and args.trl_no_gc:
+        runs += [["--case", "trl", "--trl-no-gc"]]
+    if "memory" in cases:  # sleep off is the grpo adapter run, when there is one
+        if not ("grpo" in cases and "adapter" in args.syncs.split(",")):
+            runs += [["--case", "memory", "--impl", impl, "--sync", "adapter"]]
+        runs += [["--case", "memory", "--impl", impl, "--sync", "adapter", "--sleep"]]
+    if "gen" in cases:
+        runs += [["--case", "gen", "--impl", i] for i in ("vllm", "hf")]
+    keep = ("prompts", "grpo_prompts", "samples", "tokens", "steps", "warmup", "repeats", "micro", "gpu_mem")
+    passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keep]
     passthrough += ["--eager"] if args.eager else []
+    results = []
     for extra in runs:
         cmd = [sys.executable, __file__, "--one", "--model-dir", str(model_dir), *passthrough, *extra]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            print(json.dumps({"run": extra, "error": proc.stderr[-2000:]}), flush=True)
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.case_timeout)
+            stdout, stderr, code = proc.stdout, proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as exc:
+            stdout, stderr, code = exc.stdout or "", (exc.stderr or "") + "\nTIMEOUT", -9
+            stdout = stdout.decode() if isinstance(stdout, bytes) else stdout
+            stderr = stderr.decode() if isinstance(stderr, bytes) else stderr
+        wall = round(time.perf_counter() - start, 1)
+        if args.log:
+            with open(args.log, "a") as f:
+                f.write(f"===== {' '.join(extra)} ({wall} s, exit {code})\n{stdout}\n----- stderr\n{stderr}\n")
+        lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+        if code != 0 or not lines:
+            result = {"run": extra, "error": stderr[-2500:], "wall_s": wall}
         else:
-            print(lines[-1].removeprefix("RESULT "), flush=True)
+            result = {**json.loads(lines[-1].removeprefix("RESULT ")), "wall_s": wall}
+        results.append(result)
+        line = json.dumps(result)
+        print(line if "error" not in result else line[-3000:], flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(result) + "\n")
+    print(table([r for r in results if "error" not in r]), flush=True)
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     main()
