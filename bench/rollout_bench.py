@@ -162,7 +162,7 @@ def case_gen(args, model_dir: Path) -> dict:
         sync()
         times.append(time.perf_counter() - start)
     tokens = sum(len(c.token_ids) for c in out)
-    return {
+    result = {
         "case": "gen",
         "impl": args.impl,
         "sequences": len(repeated),
@@ -170,6 +170,32 @@ def case_gen(args, model_dir: Path) -> dict:
         "seconds": round(statistics.median(times), 4),
         "tokens_per_s": round(tokens / statistics.median(times), 1),
     }
+    if args.impl == "vllm":  # where a GRPO step's generation goes: its shape, with and without sampler log-probs
+        from rlfactory.rollout import vllm as vllm_backend
+
+        step_batch = repeated[: args.grpo_prompts * args.samples]
+        with_logprobs = vllm_backend.vllm_sampling
+        for label, fn in (("logprobs", with_logprobs), ("no_logprobs", _no_logprobs(with_logprobs))):
+            vllm_backend.vllm_sampling = fn
+            times = []
+            for _ in range(3):
+                sync()
+                start = time.perf_counter()
+                backend.generate(step_batch, params)
+                sync()
+                times.append(time.perf_counter() - start)
+            result[f"step_batch_s/{label}"] = round(statistics.median(times), 4)
+        vllm_backend.vllm_sampling = with_logprobs
+    return result
+
+
+def _no_logprobs(fn):
+    def sampling(*args, **kwargs):
+        params = fn(*args, **kwargs)
+        params.logprobs = None
+        return params
+
+    return sampling
 
 
 def _grpo_cfg(args, model_dir: Path, out: Path, backend: str, sync: str, sleep: bool) -> dict:
@@ -257,6 +283,9 @@ def case_grpo(args, model_dir: Path) -> dict:
         "intervals_s": [round(x, 4) for x in clock.intervals],
         **{k: median(k) for k in keys},
         "logprob_diff_mean_per_step": [r.get("rollout/logprob_diff_mean") for r in records],
+        "per_step": [
+            {k.removeprefix("timing_s/"): v for k, v in r.items() if k.startswith("timing_s/")} for r in records
+        ],
     }
 
 
@@ -387,6 +416,12 @@ def table(results: list[dict]) -> str:
         for r in gen:
             row = (r["impl"], r["sequences"], r["tokens"], r["seconds"], f"{r['tokens_per_s']:,.0f}")
             lines.append("| " + " | ".join(map(str, row)) + " |")
+        for r in gen:
+            if "step_batch_s/logprobs" in r:
+                lines.append(
+                    f"\n{r['impl']}, one GRPO step's batch: {r['step_batch_s/logprobs']} s with sampler log-probs, "
+                    f"{r['step_batch_s/no_logprobs']} s without"
+                )
         lines.append("")
     steps = [r for r in results if r.get("case") in ("grpo", "memory", "trl") and r.get("step_s")]
     trl = next((r for r in steps if r["impl"] == "trl" and r.get("gradient_checkpointing")), None)
@@ -401,7 +436,7 @@ def table(results: list[dict]) -> str:
                 parts = {k: r[f"trl_s/{k}"] for k in TRL_BREAKDOWN if r.get(f"trl_s/{k}") is not None}
                 diff = "-"
             else:
-                name = f"ours {r['impl']} {r['sync']}" + (" +sleep" if r.get("sleep") else "")
+                name = f"ours {r['impl']} {r['sync']} micro {r['micro']}" + (" +sleep" if r.get("sleep") else "")
                 parts = {k: r[f"timing_s/{k}"] for k in BREAKDOWN if r.get(f"timing_s/{k}") is not None}
                 mean, mx = r.get("rollout/logprob_diff_mean"), r.get("rollout/logprob_diff_max")
                 diff = f"{mean:.2e} / {mx:.2e}" if mean is not None else "-"
@@ -425,8 +460,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3, help="grpo steps left out of the medians")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--micro", type=int, default=16, help="ours: train.per_device_batch_size")
-    parser.add_argument("--syncs", default="adapter,merged", help="grpo: lora_sync modes")
+    parser.add_argument(
+        "--grpo-runs",
+        default="adapter:16,merged:16",
+        help="grpo: lora_sync:micro-batch pairs (train.per_device_batch_size; 16 = TRL's micro-batch here)",
+    )
+    parser.add_argument("--sleep-runs", default="adapter:16", help="memory: the same, with enable_sleep_mode")
     parser.add_argument("--gpu-mem", type=float, default=0.3, help="vLLM gpu_memory_utilization (both)")
     parser.add_argument("--eager", action="store_true", help="vLLM without CUDA graphs (faster start)")
     parser.add_argument("--trl-no-gc", action="store_true", help="trl: also a run without gradient checkpointing")
@@ -438,6 +477,7 @@ def main() -> None:
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--sync", default="adapter", help=argparse.SUPPRESS)
+    parser.add_argument("--micro", type=int, default=16, help=argparse.SUPPRESS)
     parser.add_argument("--sleep", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -450,17 +490,19 @@ def main() -> None:
     # the side-by-side speed runs first: what a cut-off call still brings back
     if "trl" in cases:
         runs += [["--case", "trl"]]
+    pairs = lambda text: [(p.split(":")[0], p.split(":")[1]) for p in text.split(",") if p]
     if "grpo" in cases:
-        runs += [["--case", "grpo", "--impl", impl, "--sync", s] for s in args.syncs.split(",")]
+        runs += [["--case", "grpo", "--impl", impl, "--sync", s, "--micro", m] for s, m in pairs(args.grpo_runs)]
     if "trl" in cases and args.trl_no_gc:
         runs += [["--case", "trl", "--trl-no-gc"]]
-    if "memory" in cases:  # sleep off is the grpo adapter run, when there is one
-        if not ("grpo" in cases and "adapter" in args.syncs.split(",")):
-            runs += [["--case", "memory", "--impl", impl, "--sync", "adapter"]]
-        runs += [["--case", "memory", "--impl", impl, "--sync", "adapter", "--sleep"]]
+    if "memory" in cases:  # the same runs with sleep mode (sleep off: the grpo runs)
+        runs += [
+            ["--case", "memory", "--impl", impl, "--sync", s, "--micro", m, "--sleep"]
+            for s, m in pairs(args.sleep_runs)
+        ]
     if "gen" in cases:
         runs += [["--case", "gen", "--impl", i] for i in ("vllm", "hf")]
-    keep = ("prompts", "grpo_prompts", "samples", "tokens", "steps", "warmup", "repeats", "micro", "gpu_mem")
+    keep = ("prompts", "grpo_prompts", "samples", "tokens", "steps", "warmup", "repeats", "gpu_mem")
     passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keep]
     passthrough += ["--eager"] if args.eager else []
     results = []
