@@ -97,6 +97,8 @@ def engine_kwargs(cfg: RunConfig, model: Any, mode: str, on_cpu: bool) -> dict[s
 def vllm_sampling(vllm: Any, params: SamplingParams, n: int, stop_id: int) -> Any:
     """Our sampling settings as vLLM's, returning the sampled token's log-prob (logprobs=0)."""
     greedy = params.temperature <= 0
+    # plain float lists, not a dict + Logprob object per token (vLLM's per-step CPU time), where vLLM has them
+    flat = {"flat_logprobs": True} if "flat_logprobs" in getattr(vllm.SamplingParams, "__struct_fields__", ()) else {}
     return vllm.SamplingParams(
         n=n,
         temperature=0.0 if greedy else params.temperature,
@@ -108,6 +110,7 @@ def vllm_sampling(vllm: Any, params: SamplingParams, n: int, stop_id: int) -> An
         ignore_eos=True,  # only the end-of-turn token stops a sample (as the hf backend)
         logprobs=0,
         detokenize=False,
+        **flat,
     )
 
 
@@ -125,7 +128,12 @@ def runs_of_prompts(prompts: list[list[int]]) -> list[tuple[list[int], int]]:
 def to_completion(output: Any) -> Completion:
     """One vLLM CompletionOutput -> our Completion (ids as sampled, the sampler's log-prob of each)."""
     ids = list(output.token_ids)
-    logprobs = [float(step[token].logprob) for token, step in zip(ids, output.logprobs or [], strict=False)]
+    steps = output.logprobs or []
+    starts = getattr(steps, "start_indices", None)
+    if starts is not None and [steps.token_ids[i] for i in starts] == ids[: len(starts)]:
+        logprobs = [float(steps.logprobs[i]) for i in starts]  # FlatLogprobs: the sampled token comes first
+    else:
+        logprobs = [float(step[token].logprob) for token, step in zip(ids, steps, strict=False)]
     return Completion(ids, "stop" if output.finish_reason == "stop" else "length", logprobs or None)
 
 
