@@ -2,6 +2,7 @@
 sync modes side by side with TRL's GRPOTrainer, and peak GPU memory with and without sleep mode.
 
     source .gpu/vllm/setup.sh && export PYTHONPATH=$PWD/src:$PWD:$PYTHONPATH HF_HUB_OFFLINE=1
+    python3 -c "import zipfile,glob; [zipfile.ZipFile(w).extractall('/tmp/site') for w in glob.glob('.gpu/bwhl/*.whl')]"
     python3 bench/rollout_bench.py                                  # all cases, Qwen2.5-0.5B shape
     python3 bench/rollout_bench.py --cases gen --shape tiny --prompts 8 --samples 2 --tokens 32   # smoke
 
@@ -10,14 +11,17 @@ tiny model's tokenizer, so the arithmetic prompts render with its chat template)
 emit the end-of-turn token (1 in 151,936 per token), so GRPO completions run to the fixed length as well.
 
 - gen:    64 prompts x 8 samples x 256 new tokens (ignore_eos): HFBackend vs VLLMBackend (CUDA graphs), tokens/s.
-- grpo:   GRPO, LoRA r=16 all-linear, 8 prompts x 8 samples x 256 tokens, beta 0, for lora_sync adapter and
-          merged: median step time, timing_s/* breakdown, rollout/logprob_diff_{mean,max}, rollout/prob_pearson.
+- grpo:   GRPO, LoRA r=16 all-linear, 8 prompts x 8 samples x 256 tokens, beta 0, vLLM with CUDA graphs and
+          torch.compile, no gradient checkpointing, one on-policy update per step (no extra log-prob pass), for
+          each ``--grpo-runs`` pair lora_sync:micro-batch (train.per_device_batch_size; 16 is TRL's micro-batch
+          here, 64 the whole step in one forward/backward): step time, timing_s/* breakdown,
+          rollout/logprob_diff_{mean,max}, rollout/prob_pearson, peak device memory.
 - trl:    TRL's GRPOTrainer on the same model, data, batch and lengths: LoRA r=16 all-linear, use_vllm +
           vllm_mode colocate, beta 0, 16 completions per micro-batch x 4 accumulation steps = one generation of
           8 prompts x 8 samples per optimizer step, ignore_eos; TRL's other defaults (gradient checkpointing,
           vLLM importance-sampling correction, so its extra no-grad log-prob pass). ``--trl-no-gc`` adds a run
           without gradient checkpointing.
-- memory: the adapter GRPO run with enable_sleep_mode true (its peak vs the grpo adapter run, sleep off).
+- memory: the ``--sleep-runs`` pairs again with enable_sleep_mode (peak device memory vs the same grpo run).
 
 Step time, for ours and TRL alike: the wall-clock interval between consecutive step ends, median over the steps
 after ``--warmup``. Each case runs in its own subprocess (a fresh CUDA context, so peak memory is its own);
@@ -462,10 +466,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--grpo-runs",
-        default="adapter:16,merged:16",
+        default="adapter:16,adapter:64,merged:64",
         help="grpo: lora_sync:micro-batch pairs (train.per_device_batch_size; 16 = TRL's micro-batch here)",
     )
-    parser.add_argument("--sleep-runs", default="adapter:16", help="memory: the same, with enable_sleep_mode")
+    parser.add_argument("--sleep-runs", default="adapter:64,merged:64", help="memory: the same, with sleep mode")
     parser.add_argument("--gpu-mem", type=float, default=0.3, help="vLLM gpu_memory_utilization (both)")
     parser.add_argument("--eager", action="store_true", help="vLLM without CUDA graphs (faster start)")
     parser.add_argument("--trl-no-gc", action="store_true", help="trl: also a run without gradient checkpointing")
