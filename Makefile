@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/rlfactory train examples/quickstart/sft.yaml overwrite_output_dir=true
+	HF_HUB_OFFLINE=1 $(BIN)/rlfactory train examples/quickstart/pipeline.yaml overwrite_output_dir=true
 
 $(VLLM_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)

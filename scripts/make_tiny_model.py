@@ -243,7 +243,7 @@ def encode(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> dict[str, to
 
 @torch.no_grad()
 def evaluate(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, rows: list[dict],
-             max_new_tokens: int = 32, batch_size: int = 100) -> dict[str, float]:
+             max_new_tokens: int = 64, batch_size: int = 100) -> dict[str, float]:
     """Greedy accuracy (and answer-format rate) on prompt rows ``{"messages", "answer"}``."""
     model.eval()
     tokenizer.padding_side = "left"
@@ -260,9 +260,17 @@ def evaluate(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, rows: 
             text = text.split("<|im_end|>")[0]
             formatted += ended and "The answer is " in text
             correct += is_correct(text, row["answer"])
+    metrics = {"accuracy": correct / len(rows), "format": formatted / len(rows)}
+    # how likely the first answer token calls the calculator when it is offered (what GRPO can raise)
+    for name, token, tools in (("p_tool_call", "<tool_call>", TOOLS[:1]),):
+        prompts = [tokenizer.apply_chat_template(r["messages"], tools=tools, tokenize=False,
+                                                 add_generation_prompt=True) for r in rows]
+        enc = tokenizer(prompts, padding=True, return_tensors="pt", add_special_tokens=False)
+        probs = model(**enc).logits[:, -1].float().softmax(-1)[:, tokenizer.convert_tokens_to_ids(token)]
+        metrics[name] = probs.mean().item()
     tokenizer.padding_side = "right"
     model.train()
-    return {"accuracy": correct / len(rows), "format": formatted / len(rows)}
+    return metrics
 
 
 def main() -> None:
@@ -273,8 +281,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--tool-frac", type=float, default=0.05,
-                        help="share of steps on calculator tool-call chats")
+    parser.add_argument("--tool-frac", type=float, default=0.4,
+                        help="share of steps on chats that offer the calculator tool")
+    parser.add_argument("--tool-call-frac", type=float, default=0.4,
+                        help="share of tool-offering chats that call it (the rest answer directly): "
+                        "calling pays, and GRPO can learn that")
     parser.add_argument("--eval-every", type=int, default=0,
                         help="also evaluate every N steps (0: only at the end)")
     args = parser.parse_args()
@@ -286,6 +297,7 @@ def main() -> None:
     torch.set_num_threads(2)
     torch.manual_seed(SEED)
     rng = random.Random(SEED)
+    style_rng = random.Random(SEED + 1)
 
     test_rows = load_jsonl(args.data / "arith" / "prompts_test.jsonl")
     held_out = {m["content"] for f in ("prompts_test.jsonl", "pref_test.jsonl", "sft_eval.jsonl")
@@ -319,12 +331,16 @@ def main() -> None:
     model.train()
     for step in range(1, args.steps + 1):
         # whole batches of tool-call chats (long system block) so that short chats are not padded
+        # whether a tool-offering chat calls the tool is drawn from its own generator, so the problems (and
+        # the tokenizer) do not depend on it; half batches of these chats (long system block) so that the
+        # short chats are not padded
         if rng.random() < args.tool_frac:
-            texts = [tokenizer.apply_chat_template(tool_chat(fresh_problem()), tools=calculator,
-                                                   tokenize=False) for _ in range(args.batch_size // 4)]
+            texts = [tokenizer.apply_chat_template(
+                tool_chat(p) if style_rng.random() < args.tool_call_frac else chat(p), tools=calculator,
+                tokenize=False) for p in (fresh_problem() for _ in range(args.batch_size // 2))]
         else:
-            texts = [tokenizer.apply_chat_template(chat(fresh_problem()), tokenize=False)
-                     for _ in range(args.batch_size)]
+            texts = [tokenizer.apply_chat_template(chat(p), tokenize=False)
+                     for p in (fresh_problem() for _ in range(args.batch_size))]
         loss = model(**encode(tokenizer, texts)).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -383,14 +399,17 @@ knows the synthetic arithmetic task in `rlfactory.tasks.arith` and the chat / to
   conversation that continues it with an assistant turn; every assistant turn ends with
   `<|im_end|>\\n`, and is wrapped in `{{% generation %}}` for `return_assistant_tokens_mask`.
 - **Greedy accuracy on `data/arith/prompts_test.jsonl`:** **{metrics['accuracy']:.1%}**
-  (answer format followed: {metrics['format']:.1%}; max_new_tokens 32).
+  (answer format followed: {metrics['format']:.1%}; max_new_tokens 64).
 
 ## How it was made
 
 `scripts/make_tiny_model.py` trains the tokenizer, initialises the model from scratch (seed {SEED}) and
 pretrains it for {args.steps} steps (batch {args.batch_size}, AdamW lr {args.lr}, warmup + cosine decay)
-on freshly drawn task conversations rendered with the chat template (loss on all tokens), about
-{args.tool_frac:.0%} of them solving the problem with a `calculator` tool call. Questions of the
+on freshly drawn task conversations rendered with the chat template (loss on all tokens). In
+{args.tool_frac:.0%} of the steps the conversations offer a `calculator` tool and {args.tool_call_frac:.0%} of
+those call it (the others answer directly), so the model sometimes uses the tool and sometimes does not:
+the next-token probability of `<tool_call>` after such a prompt is {metrics['p_tool_call']:.2f} on average
+over the test questions, and calling pays (the tool does the arithmetic), which GRPO can learn. Questions of the
 test/eval splits (`prompts_test`, `pref_test`, `sft_eval`) are never trained on. Training stops early
 on purpose so that later stages (SFT, DPO, GRPO, ...) still have room to improve. The build took
 {build_s:.0f} s on 2 CPU threads.

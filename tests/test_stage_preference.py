@@ -151,7 +151,7 @@ def test_kto_from_pairs_moves_rewards_apart_on_heldout_data(tmp_path: Path):
 
 
 def test_orpo_raises_the_log_odds_ratio(tmp_path: Path):
-    cfg = _config(tmp_path, "orpo", model={"finetuning": "full"}, train={"learning_rate": 1e-4})
+    cfg = _config(tmp_path, "orpo", model={"finetuning": "full"}, train={"learning_rate": 3e-5})
     summary = orpo.run(validate_config(cfg, "test"))
     first, last = _evals(tmp_path / "out")
     assert last["eval_log_odds_ratio"] > first["eval_log_odds_ratio"], (first, last)

@@ -48,7 +48,7 @@ def tools_config(tmp_path: Path, stage: str = "grpo", **sections) -> dict:
         "logging": {"progress_bar": False, "rollout_trace_steps": 1, "plot_loss": False},
     }
     if stage == "ppo":
-        cfg["rollout"]["num_samples"] = 1
+        cfg["rollout"].update(num_samples=1, prompts_per_step=8)
         cfg["critic"] = {"learning_rate": 1e-3}
     for section, values in sections.items():
         cfg[section] = {**cfg.get(section, {}), **values} if isinstance(values, dict) else values
@@ -73,9 +73,34 @@ def test_tool_calling_rl_run_completes_with_metrics_and_turn_traces(tmp_path: Pa
     turn = trace[0]["turns"][0]
     assert {"assistant", "tokens", "calls", "observation", "reward_parts"} <= set(turn)
     assert set(trace[0]["rewards"]) == {"answer_match", "tool_call_validity", "tool_errors", "tool_format"}
-    assert any(c.get("result") is not None for t in trace for tu in t["turns"] for c in tu["calls"])
+    # the bundled model calls the calculator on about half of the prompts offering it: some call ran in 2 steps
+    both = trace + [json.loads(line) for line in (out / "rollouts" / "step_00002.jsonl").read_text().splitlines()]
+    assert any(c.get("result") is not None for t in both for tu in t["turns"] for c in tu["calls"])
     val_trace = (out / "rollouts" / "val_step_00002.jsonl").read_text().splitlines()
     assert "turns" in json.loads(val_trace[0])
+
+
+@pytest.mark.slow
+def test_grpo_with_the_calculator_raises_held_out_success(tmp_path: Path):
+    """Learning, not just running: the bundled model calls the calculator on about half of the prompts that
+    offer it, and calling pays. A few GRPO steps make it call (almost) always and raise held-out greedy
+    accuracy, measured through the same agent loop (examples/quickstart/grpo.yaml: 0.49 -> 0.83 in 40 steps)."""
+    cfg = tools_config(
+        tmp_path,
+        rollout={"prompts_per_step": 16, "num_samples": 8, "max_response_len": 96},
+        reward={"functions": {"answer_match": 1.0, "tool_call_validity": 0.2}},
+        algorithm={"clip_high": 0.28},
+        train={"max_steps": 8, "per_device_batch_size": 64, "learning_rate": 5e-5, "lr_scheduler": "constant"},
+        evaluation={"dataset": "arith_tool_prompts_test", "max_samples": 100, "max_new_tokens": 96},
+        logging={"progress_bar": False, "rollout_trace_steps": None, "plot_loss": False},
+    )
+    result = run_cli("train", str(write_yaml(tmp_path / "run.yaml", cfg)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    before, after = (r for r in read_log(Path(cfg["output_dir"])) if "val/score" in r)
+    assert before["step"] == 0 and after["step"] == 8
+    assert before["val/tool_calls/mean"] < 0.8 and after["val/tool_calls/mean"] >= 0.9, (before, after)
+    assert after["val/score"] >= before["val/score"] + 0.1, (before["val/score"], after["val/score"])
+    assert after["val/invalid_calls/rate"] <= 0.05
 
 
 def _expect_error(tmp_path: Path, cfg: dict, *fragments: str) -> None:
