@@ -105,7 +105,7 @@ def _ours_parts(args, model, tokenizer, sequences):
         items = [{**p, "chosen_mask": [True] * len(p["chosen_ids"]), "rejected_mask": [True] * len(p["rejected_ids"])}
                  for p in random_pairs(sequences)]
         return model, StageParts(items, preference_data.collate_pairs(0), rm.make_loss(RMConfig()), dpo.count_pairs)
-    maybe_apply_liger(model, None)  # as the model loader does (auto)
+    maybe_apply_liger(model, None, "lora" if args.case.endswith("lora") else "full")  # as the model loader does
     if args.case.endswith("lora"):
         torch_seed()
         model = apply_lora(model, lora, False)

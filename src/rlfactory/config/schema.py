@@ -65,8 +65,9 @@ class ModelConfig(Section):
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory (recompute activations).")
     liger_kernel: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="Liger's kernels. auto: its fused linear cross-entropy scores tokens (chunked LM head) on CUDA "
-        "when liger-kernel is installed; on: also patch the model's RMSNorm, SwiGLU and RoPE; off: torch only.",
+        description="Liger's fused kernels (fused linear cross-entropy: no full-vocabulary logits in memory, "
+        "RMSNorm, SwiGLU, RoPE). auto: on for full/freeze fine-tuning on CUDA when liger-kernel is installed, and "
+        "as the kernel of the preference stages' chunked log-probs on CUDA (off: a torch loop there).",
     )
     trust_remote_code: bool = Field(False, description="Allow custom model code shipped with the checkpoint.")
 

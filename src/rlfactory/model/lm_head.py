@@ -2,9 +2,10 @@
 positions only (``algos.common.linear_token_logprobs``).
 
 The call still goes through the outer model (DDP, PEFT, a compiled layer stack), but asks for one position of
-logits (``logits_to_keep=1``) and takes the decoder's last hidden state from a forward hook. sft, dpo, kto,
-orpo and the reference pass share it; a model without a decoder/head split (or a head with a bias) falls back
-to its full logits.
+logits (``logits_to_keep=1``) and takes the decoder's last hidden state from a forward hook. dpo, kto, orpo
+and the reference pass use it; a model without a decoder/head split (or a head with a bias) falls back to
+its full logits. sft does not: its loss is a plain token sum, for which the model's own loss (Liger's fused
+cross-entropy for full fine-tuning) measured faster (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations

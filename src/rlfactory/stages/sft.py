@@ -86,16 +86,11 @@ def collate_packed(items: list[dict[str, list[int]]]) -> Batch:
 def nll_sum(model: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
     """Summed next-token NLL over labelled tokens (the engine divides by the window's token count).
 
-    The LM head runs chunked on the labelled positions only (``model.lm_head.next_token_logps``): the
-    (B, T, V) logits and their float32 copy never exist. Labels equal the input ids where trained (the
-    renderer and the packer write them so); packed rows pass their restarting ``position_ids``.
+    The model computes it (``labels`` + ``num_items_in_batch=1`` makes transformers' loss a sum), so a
+    Liger-patched model uses its fused linear cross-entropy and never materialises the logits.
     """
-    from rlfactory.model.lm_head import next_token_logps
-
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
-    mask = torch.zeros_like(batch["labels"], dtype=torch.bool)
-    mask[:, :-1] = batch["labels"][:, 1:] != IGNORE_INDEX
-    loss_sum = -next_token_logps(model, inputs, mask).sum()
+    loss_sum = model(**inputs, labels=batch["labels"], num_items_in_batch=1, use_cache=False).loss
     n_tokens = count_tokens(batch).clamp(min=1)
     return loss_sum, {"nll_per_token": loss_sum.detach() / n_tokens}
 
