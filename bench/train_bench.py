@@ -1,13 +1,26 @@
 """Training throughput, ours vs TRL, side by side on the same card, model shape, data and batch.
 
     python bench/train_bench.py --cases sft_full,sft_lora --impls ours,trl_padded,trl_wrapped
-    python bench/train_bench.py --shape tiny --steps 4 --warmup 1          # CPU smoke run
+    python bench/train_bench.py --cases dpo_lora,rm_full --impls ours,ours_compile,trl
+    python bench/train_bench.py --shape tiny --steps 4 --warmup 1 --lr 1e-3   # CPU smoke run + loss agreement
+
+Cases: sft_full, sft_lora (LoRA r=16 all-linear), dpo_lora (sigmoid DPO, beta 0.1, reference = adapter
+disabled, no precomputed reference), rm_full / rm_lora (Bradley-Terry reward model, 1-output score head).
+Impls: ``ours`` (the stage's own loss path through the shared engine), ``ours_compile``
+(``train.torch_compile``), ``ours_torchlp`` (the torch loop instead of Liger's kernel for the chunked LM-head
+log-probs), and TRL:
+``trl_wrapped`` / ``trl_bfd`` / ``trl_padded`` / ``trl_wrapped_liger`` (SFT packing variants) or ``trl``
+(DPOTrainer / RewardTrainer; any ``trl*`` name selects them for the dpo and rm cases).
 
 Each (case, impl) runs in its own subprocess (a fresh CUDA context, so peak memory is its own).
 The model is a Qwen2.5-0.5B-shaped Qwen2 with random bf16 weights; every step trains on
-`batch` sequences of `seq` random tokens (all full length, so padding costs nothing and
-"padded" equals "packed" in work). Step time is the median over the timed steps after warmup.
-MFU = 6 x parameters x tokens/s / peak (989e12 bf16 dense FLOP/s for H100/H200 SXM).
+`batch` sequences (sft) or pairs (dpo, rm) of `seq` random tokens, all full length, so padding costs
+nothing and "padded" equals "packed" in work. A pair is a shared prompt of seq/4 tokens and two
+responses of 3 seq/4 tokens; tokens/s counts both sequences of a pair. Step time is the median over the
+timed steps after warmup. MFU = 6 x parameters x tokens/s / peak (989e12 bf16 dense FLOP/s for
+H100/H200 SXM); the same formula for every case (LoRA skips weight gradients, DPO adds a reference forward).
+Both implementations see the same data in the same order from the same initial weights (TRL's sampler is
+made sequential), and each result carries the first logged losses for the agreement check.
 """
 
 from __future__ import annotations
@@ -19,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 SHAPES = {
     "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -30,24 +42,33 @@ SHAPES = {
 PEAK_FLOPS = 989e12
 
 
-def build_model(shape: str, device: str):
+def build_model(shape: str, device: str, case: str = "sft_full"):
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, Qwen2Config
 
     torch.manual_seed(0)
-    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096)
+    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, pad_token_id=0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").to(device)
+    if case.startswith("rm"):
+        config.num_labels = 1
+        auto = AutoModelForSequenceClassification
+    else:
+        auto = AutoModelForCausalLM
+    with torch.device(device):  # initialised on the device: seconds instead of a minute of CPU init
+        return auto.from_config(config, dtype=dtype, attn_implementation="sdpa")
 
 
 def build_tokenizer(vocab_size: int):
     """A tokenizer that decodes any id (word-level over `t<i>`); trainers only need it to save/pad."""
     from tokenizers import Tokenizer, models
+    from tokenizers.pre_tokenizers import WhitespaceSplit
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t1")),
-                                   pad_token="t0", eos_token="t2", unk_token="t1")
+    # specials must not be substrings of the words ("t1" would split "t180"), so they have names of their own
+    vocab = {"<pad>": 0, "<unk>": 1, "</s>": 2} | {f"t{i}": i for i in range(3, vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = WhitespaceSplit()  # "t5 t9" -> [5, 9]: TRL's DPOTrainer tokenizes text itself
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
 
 
 def random_sequences(n: int, seq: int, vocab: int) -> list[list[int]]:
@@ -57,39 +78,87 @@ def random_sequences(n: int, seq: int, vocab: int) -> list[list[int]]:
     return torch.randint(3, vocab, (n, seq), generator=g).tolist()
 
 
-def run_ours(args, model, tokenizer, sequences, out: str) -> list[float]:
-    from rlfactory.config.loader import validate_config
-    from rlfactory.config.schema import LoraConfig
-    from rlfactory.engine.run_dir import read_log
-    from rlfactory.engine.trainer import StageParts, train
+def random_pairs(sequences: list[list[int]]) -> list[dict[str, list[int]]]:
+    """Pairs from two sequences each: a prompt of seq/4 tokens and two responses of 3 seq/4, ending in eos (2)."""
+    cut = len(sequences[0]) // 4
+    return [{"prompt_ids": a[:cut], "chosen_ids": a[cut:-1] + [2], "rejected_ids": b[cut:-1] + [2]}
+            for a, b in zip(sequences[::2], sequences[1::2], strict=True)]
+
+
+def _ours_parts(args, model, tokenizer, sequences):
+    """(model, StageParts) as the stage modules build them."""
+    from rlfactory.config.schema import DPOConfig, LoraConfig, RMConfig
+    from rlfactory.engine.trainer import StageParts
     from rlfactory.model.loader import apply_lora, maybe_apply_liger
-    from rlfactory.stages import sft
+    from rlfactory.stages import dpo, preference_data, reference, rm, sft
 
+    lora = LoraConfig(r=16, alpha=32, dropout=0.0, target_modules="all-linear")
+    if args.case.startswith("rm"):
+        if args.case.endswith("lora"):
+            from rlfactory.config.loader import validate_config
+            from rlfactory.model.heads import _apply_lora
+
+            torch_seed()
+            model = _apply_lora(model, validate_config({"stage": "rm", "model": {"name_or_path": "bench"},
+                                                        "data": {"dataset": "bench"},
+                                                        "lora": lora.model_dump()}, "bench"))
+        items = [{**p, "chosen_mask": [True] * len(p["chosen_ids"]), "rejected_mask": [True] * len(p["rejected_ids"])}
+                 for p in random_pairs(sequences)]
+        return model, StageParts(items, preference_data.collate_pairs(0), rm.make_loss(RMConfig()), dpo.count_pairs)
     maybe_apply_liger(model, None, "lora" if args.case.endswith("lora") else "full")  # as the model loader does
-
     if args.case.endswith("lora"):
-        model = apply_lora(model, LoraConfig(r=16, alpha=32, target_modules="all-linear"), False)
+        torch_seed()
+        model = apply_lora(model, lora, False)
+    if args.case.startswith("dpo"):
+        items = [{**p, "chosen_mask": [True] * len(p["chosen_ids"]), "rejected_mask": [True] * len(p["rejected_ids"])}
+                 for p in random_pairs(sequences)]
+        loss, traits = dpo.check_loss_type("sigmoid")
+        ref = reference.build_reference(None, model)  # LoRA: the adapter-disabled policy, no copy
+        loss_fn = dpo.make_loss(DPOConfig(), loss, traits, ref)
+        return model, StageParts(items, preference_data.collate_pairs(0), loss_fn, dpo.count_pairs)
+    items = [{"input_ids": s, "labels": s} for s in sequences]
+    return model, StageParts(items, sft.collate_padded(0), sft.nll_sum, sft.count_tokens)
+
+
+def torch_seed() -> None:
+    """Seed right before adapters or heads are created, the same way for ours and TRL (same initial weights)."""
+    import torch
+
+    torch.manual_seed(1234)
+
+
+def run_ours(args, model, tokenizer, sequences, out: str) -> tuple[list[float], list[float]]:
+    from rlfactory.algos import common
+    from rlfactory.config.loader import validate_config
+    from rlfactory.engine.run_dir import read_log
+    from rlfactory.engine.trainer import train
+
+    model, parts = _ours_parts(args, model, tokenizer, sequences)
+    if args.impl == "ours_torchlp":
+        common.LINEAR_LOGPROBS_BACKEND = "torch"  # the chunked torch loop instead of Liger's kernel
+    stage = args.case.split("_")[0]
     cfg = validate_config({
-        "stage": "sft", "output_dir": out, "model": {"name_or_path": "bench"}, "data": {"dataset": "bench",
-                                                                                      "shuffle": False},
-        "train": {"max_steps": args.warmup + args.steps, "per_device_batch_size": args.batch, "learning_rate": 1e-5,
-                  "lr_scheduler": "constant", "mixed_precision": "bf16" if args.device == "cuda" else "no"},
+        "stage": stage, "output_dir": out, "model": {"name_or_path": "bench"},
+        "data": {"dataset": "bench", "shuffle": False},
+        "train": {"max_steps": args.warmup + args.steps, "per_device_batch_size": args.batch, "learning_rate": args.lr,
+                  "lr_scheduler": "constant", "mixed_precision": "bf16" if args.device == "cuda" else "no",
+                  **({"torch_compile": True} if args.impl == "ours_compile" else {})},
         "logging": {"logging_steps": 1, "plot_loss": False, "progress_bar": False},
     }, "bench")
-    items = [{"input_ids": s, "labels": s} for s in sequences]
-    parts = StageParts(items, sft.collate_padded(0), sft.nll_sum, sft.count_tokens)
     train(cfg, model, tokenizer, parts, None)
-    elapsed = [r["elapsed_s"] for r in read_log(out) if "loss" in r]
-    return [b - a for a, b in zip(elapsed, elapsed[1:], strict=False)][args.warmup - 1:]
+    records = [r for r in read_log(out) if "loss" in r]
+    elapsed = [r["elapsed_s"] for r in records]
+    steps = [b - a for a, b in zip(elapsed, elapsed[1:], strict=False)][args.warmup - 1:]
+    return steps, [r["loss"] for r in records]
 
 
-def run_trl(args, model, tokenizer, sequences, out: str) -> list[float]:
+def run_trl(args, model, tokenizer, sequences, out: str) -> tuple[list[float], list[float]]:
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import SFTConfig, SFTTrainer
 
     marks: list[float] = []
+    losses: list[float] = []
 
     class Timer(TrainerCallback):
         def on_step_end(self, *_, **__):
@@ -97,46 +166,82 @@ def run_trl(args, model, tokenizer, sequences, out: str) -> list[float]:
                 torch.cuda.synchronize()
             marks.append(time.perf_counter())
 
+        def on_log(self, _args, _state, _control, logs=None, **__):
+            if logs and "loss" in logs:
+                losses.append(logs["loss"])
+
     peft_config = None
     if args.case.endswith("lora"):
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
-    packing = args.impl.removeprefix("trl_").removesuffix("_liger")
-    config = SFTConfig(
-        output_dir=out, per_device_train_batch_size=args.batch, max_steps=args.warmup + args.steps, learning_rate=1e-5,
-        lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none",
-        bf16=args.device == "cuda", gradient_checkpointing=False, max_length=args.seq,
-        packing=packing != "padded", packing_strategy="wrapped" if packing == "wrapped" else "bfd",
-        padding_free=packing == "bfd", use_cpu=args.device == "cpu", dataloader_drop_last=True,
-        use_liger_kernel=args.impl.endswith("_liger"),
+        task = "SEQ_CLS" if args.case.startswith("rm") else "CAUSAL_LM"
+        peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type=task,
+                                 modules_to_save=["score"] if task == "SEQ_CLS" else None)
+    common = dict(
+        output_dir=out, per_device_train_batch_size=args.batch, max_steps=args.warmup + args.steps,
+        learning_rate=args.lr, lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none",
+        bf16=args.device == "cuda", gradient_checkpointing=False, max_length=args.seq, use_cpu=args.device == "cpu",
+        dataloader_drop_last=True,
     )
-    dataset = Dataset.from_dict({"input_ids": sequences})
-    trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
-                         peft_config=peft_config, callbacks=[Timer()])
+    if args.case.startswith("dpo"):
+        from trl import DPOConfig, DPOTrainer
+
+        text = lambda ids: " ".join(tokenizer.convert_ids_to_tokens(ids))  # noqa: E731 (decodes to the same ids)
+        pairs = random_pairs(sequences)
+        dataset = Dataset.from_dict({"prompt": [text(p["prompt_ids"]) for p in pairs],
+                                     "chosen": [" " + text(p["chosen_ids"]) for p in pairs],
+                                     "rejected": [" " + text(p["rejected_ids"]) for p in pairs]})
+        config = DPOConfig(**common, precompute_ref_log_probs=False, beta=0.1, loss_type=["sigmoid"])
+        trainer_cls = DPOTrainer
+    elif args.case.startswith("rm"):
+        from trl import RewardConfig, RewardTrainer
+
+        pairs = random_pairs(sequences)
+        dataset = Dataset.from_dict({"chosen_ids": [p["prompt_ids"] + p["chosen_ids"] for p in pairs],
+                                     "rejected_ids": [p["prompt_ids"] + p["rejected_ids"] for p in pairs]})
+        config, trainer_cls = RewardConfig(**common), RewardTrainer
+    else:
+        from trl import SFTConfig, SFTTrainer
+
+        packing = args.impl.removeprefix("trl_").removesuffix("_liger")
+        config = SFTConfig(
+            **common, packing=packing != "padded", packing_strategy="wrapped" if packing == "wrapped" else "bfd",
+            padding_free=packing == "bfd", use_liger_kernel=args.impl.endswith("_liger"),
+        )
+        dataset, trainer_cls = Dataset.from_dict({"input_ids": sequences}), SFTTrainer
+    if peft_config is not None:  # the adapter made here, seeded as ours, so both start from the same weights
+        from peft import get_peft_model
+
+        torch_seed()
+        model = get_peft_model(model, peft_config)
+    trainer = trainer_cls(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
+                          callbacks=[Timer()])
+    # ours reads the data in order (data.shuffle: false); so does TRL here, so the loss curves are comparable
+    trainer._get_train_sampler = lambda *_a, **_k: torch.utils.data.SequentialSampler(trainer.train_dataset)
     trainer.train()
-    return [b - a for a, b in zip(marks, marks[1:], strict=False)][args.warmup - 1:]
+    return [b - a for a, b in zip(marks, marks[1:], strict=False)][args.warmup - 1:], losses
 
 
 def worker(args) -> None:
     import torch
 
-    model = build_model(args.shape, args.device)
+    model = build_model(args.shape, args.device, args.case)
     n_params = sum(p.numel() for p in model.parameters())
     tokenizer = build_tokenizer(SHAPES[args.shape]["vocab_size"])
-    sequences = random_sequences(args.batch * (args.warmup + args.steps + 1), args.seq, SHAPES[args.shape]["vocab_size"])
+    rows = args.batch * (1 if args.case.startswith("sft") else 2)  # a pair is two sequences
+    sequences = random_sequences(rows * (args.warmup + args.steps + 1), args.seq, SHAPES[args.shape]["vocab_size"])
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     with tempfile.TemporaryDirectory() as out:
-        runner = run_ours if args.impl == "ours" else run_trl
-        steps = runner(args, model, tokenizer, sequences, out)
+        runner = run_ours if args.impl.startswith("ours") else run_trl
+        steps, losses = runner(args, model, tokenizer, sequences, out)
     step_s = statistics.median(steps)
-    tokens_per_s = args.batch * args.seq / step_s
+    tokens_per_s = rows * args.seq / step_s
     print("RESULT " + json.dumps({
         "case": args.case, "impl": args.impl, "step_s": round(step_s, 4), "tokens_per_s": round(tokens_per_s),
         "mfu": round(6 * n_params * tokens_per_s / PEAK_FLOPS, 4),
         "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None,
-        "timed_steps": len(steps),
+        "timed_steps": len(steps), "losses": [round(x, 5) for x in losses[:6]],
     }), flush=True)
 
 
@@ -149,6 +254,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--worker", nargs=2, metavar=("CASE", "IMPL"))
     args = parser.parse_args()
     import torch
@@ -162,7 +268,8 @@ def main() -> None:
     for case in args.cases.split(","):
         for impl in args.impls.split(","):
             cmd = [sys.executable, __file__, "--worker", case, impl, "--shape", args.shape, "--batch", str(args.batch),
-                   "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+                   "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--lr", str(args.lr)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if not lines:
@@ -170,12 +277,17 @@ def main() -> None:
                 continue
             rows.append(json.loads(lines[-1][7:]))
             print(json.dumps(rows[-1]), flush=True)
-    print(f"\n| case | impl | step s | tokens/s | MFU | peak GB | vs best TRL |\n|---|---|---|---|---|---|---|")
+    print("\n| case | impl | step s | tokens/s | MFU | peak GB | vs best TRL |\n|---|---|---|---|---|---|---|")
     for row in rows:
         trl = [r["tokens_per_s"] for r in rows if r["case"] == row["case"] and r["impl"].startswith("trl")]
         ratio = f"{row['tokens_per_s'] / max(trl):.2f}x" if trl else "-"
         print(f"| {row['case']} | {row['impl']} | {row['step_s']} | {row['tokens_per_s']} | {row['mfu']:.1%} | "
               f"{row['peak_mem_gb']} | {ratio} |")
+    print("\nfirst losses (ours vs each TRL impl, max |difference| over the shared steps):")
+    for ours in [r for r in rows if r["impl"] == "ours"]:
+        for trl in [r for r in rows if r["case"] == ours["case"] and r["impl"].startswith("trl")]:
+            diff = max((abs(a - b) for a, b in zip(ours["losses"], trl["losses"], strict=False)), default=float("nan"))
+            print(f"{ours['case']}: ours {ours['losses']} | {trl['impl']} {trl['losses']} | max diff {diff:.2e}")
 
 
 if __name__ == "__main__":

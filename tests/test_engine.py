@@ -104,3 +104,16 @@ def test_killed_run_resumes_from_checkpoint(sft_config: dict, tmp_path: Path):
     assert checkpoints == ["checkpoint-4", "checkpoint-6"]  # save_total_limit: 2
     summary = json.loads((tmp_path / "killed" / "run_summary.json").read_text())
     assert summary["global_step"] == 8
+
+
+def test_compile_layers_finds_the_decoder_stack_under_peft():
+    """train.torch_compile compiles each decoder layer (lazily: nothing runs here), also inside a PEFT wrapper."""
+    from transformers import AutoModelForCausalLM
+
+    from rlfactory.config.schema import LoraConfig
+    from rlfactory.engine.trainer import compile_layers
+    from rlfactory.model.loader import apply_lora
+
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL)
+    layers = model.config.num_hidden_layers
+    assert compile_layers(apply_lora(model, LoraConfig(), False)) == layers

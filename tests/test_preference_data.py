@@ -82,8 +82,50 @@ def test_loss_mask_is_token_exact(tokenizer):
         assert tokenizer.decode(trained) == example[side][0]["content"] + "<|im_end|>"
         n = len(item["prompt_ids"]) + len(item[f"{side}_ids"])
         assert not batch["loss_mask"][row, : len(item["prompt_ids"])].any()
-        assert not batch["loss_mask"][row, n:].any() and not batch["attention_mask"][row, n:].any()
+        attention = batch.get("attention_mask", torch.ones_like(batch["input_ids"]))  # absent: no padding
+        assert not batch["loss_mask"][row, n:].any() and not attention[row, n:].any()
     assert tokenizer.decode(item["prompt_ids"]).endswith("<|im_start|>assistant\n")
+
+
+def test_pad_rows_leaves_out_the_mask_only_without_padding():
+    same = preference_data.pad_rows([([1, 2], [3], [True]), ([4], [5, 6], [True, True])], pad_id=0)
+    assert "attention_mask" not in same  # sdpa's causal path
+    padded = preference_data.pad_rows([([1, 2], [3], [True]), ([4], [5], [True])], pad_id=0)
+    assert padded["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
+
+
+def test_linear_token_logprobs_matches_full_log_softmax():
+    """Values and both gradients against a float64 log_softmax, with chunks that do not divide the rows."""
+    from rlfactory.algos.common import linear_token_logprobs
+
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(37, 16, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, requires_grad=True)
+    labels, upstream = torch.randint(0, 50, (37,), generator=g), torch.randn(37, generator=g)
+    got = linear_token_logprobs(hidden, weight, labels, chunk_size=8)
+    got_grads = torch.autograd.grad((got * upstream).sum(), (hidden, weight))
+    want = F.log_softmax((hidden @ weight.T).double(), dim=-1).gather(-1, labels[:, None]).squeeze(-1)
+    want_grads = torch.autograd.grad((want * upstream.double()).sum(), (hidden, weight))
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
+    for mine, ref in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(mine, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_forward_logps_fused_head_equals_full_logits(tokenizer, model):
+    """The hooked path (hidden states + chunked head, response positions only) against full logits, with grads."""
+    items = preference_data.render_pairs(_cfg(), tokenizer, _pairs(4))
+    batch = preference_data.collate_pairs(tokenizer.pad_token_id)(items)
+    from rlfactory.model.lm_head import lm_parts
+
+    assert lm_parts(model) is not None  # the chunked-head path is the one under test
+    sums, means = preference_data.forward_logps(model, batch)
+    fused_grad = torch.autograd.grad(sums.sum() + means.sum(), model.lm_head.weight)[0]
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    want_sums, want_means = preference_data.sequence_logps(logits, batch["input_ids"], batch["loss_mask"])
+    want_grad = torch.autograd.grad(want_sums.sum() + want_means.sum(), model.lm_head.weight)[0]
+    torch.testing.assert_close(sums, want_sums, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(means, want_means, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_grad, want_grad, atol=1e-4, rtol=1e-4)
 
 
 def test_truncation_cuts_the_prompt_from_the_left_or_drops(tokenizer, caplog):

@@ -39,6 +39,68 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int =
     return torch.cat(out).reshape(labels.shape) if out else flat_logits.new_zeros(labels.shape, dtype=torch.float32)
 
 
+class _LinearLogprobs(torch.autograd.Function):
+    """``log_softmax(hidden @ weight.T)[label]`` in row chunks; logits are recomputed in backward, never stored."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, hidden, weight, labels, chunk_size):  # noqa: ANN001 (autograd signature)
+        out = torch.empty(labels.shape, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(out)
+        for start in range(0, hidden.shape[0], chunk_size):
+            logits = (hidden[start : start + chunk_size] @ weight.T).float()
+            lse[start : start + chunk_size] = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(-1, labels[start : start + chunk_size, None]).squeeze(-1)
+            out[start : start + chunk_size] = picked - lse[start : start + chunk_size]
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.chunk_size = chunk_size
+        return out
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, grad_out):  # noqa: ANN001
+        hidden, weight, labels, lse = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            rows = slice(start, start + ctx.chunk_size)
+            h, g = hidden[rows], grad_out[rows].float()
+            # d logp[label] / d logits = onehot(label) - softmax(logits)
+            dlogits = torch.exp((h @ weight.T).float() - lse[rows, None]).mul_(-g[:, None])
+            dlogits.scatter_add_(-1, labels[rows, None], g[:, None])
+            if not torch.is_autocast_enabled(h.device.type):  # under autocast the products cast themselves
+                dlogits = dlogits.to(weight.dtype)
+            if need_h:
+                grad_h[rows] = (dlogits @ weight).to(hidden.dtype)
+            if need_w:
+                grad_w += (dlogits.T @ h).float()
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None
+
+
+def linear_token_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 2048
+) -> torch.Tensor:
+    """Log-probability of each label under the LM head: ``log_softmax(hidden @ weight.T)[labels]``.
+
+    hidden: (N, H) final hidden states of the positions to score; weight: (V, H) the output embedding;
+    labels: (N,) int64. Returns (N,) float32. Equals ``token_logprobs(hidden @ weight.T, labels)`` but
+    the (N, V) logits exist one chunk at a time in forward AND backward (recomputed there), so scoring
+    16k positions over a 152k vocabulary needs ~1 GB instead of ~5 GB of bf16 logits plus their fp32 grads.
+    Under autocast the matrix products run in the autocast dtype; the log-sum-exp is always float32.
+    """
+    if LINEAR_LOGPROBS_BACKEND == "liger" and hidden.is_cuda:
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+        # reduction="none" recomputes the chunked logits in backward with the per-token upstream gradient
+        nll = LigerFusedLinearCrossEntropyFunction.apply(hidden, weight, labels, None, None, -100, 0.0, 0.0, "none")[0]
+        return -nll.float()
+    return _LinearLogprobs.apply(hidden, weight, labels, chunk_size)
+
+
+LINEAR_LOGPROBS_BACKEND = "torch"  # "liger": Liger's fused linear cross-entropy on CUDA (set by model.liger_kernel)
+
+
 def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 4096) -> torch.Tensor:
     """Per-token entropy of the categorical distribution given by ``logits`` (B, T, V) -> (B, T)."""
     flat = logits.reshape(-1, logits.shape[-1])

@@ -268,17 +268,18 @@ def preference_metrics(
     rejected_rewards: Tensor,
     policy_chosen_logps: Tensor,
     policy_rejected_logps: Tensor,
-) -> dict[str, float]:
+) -> dict[str, Tensor]:
     """Batch means logged by paired preference stages, under TRL's metric names.
 
-    All inputs (B,). ``rewards/accuracies`` is the fraction with chosen reward strictly above rejected.
+    All inputs (B,); returns 0-d tensors (no device sync in the step: the engine reads them at log time).
+    ``rewards/accuracies`` is the fraction with chosen reward strictly above rejected.
     """
     chosen_rewards, rejected_rewards = chosen_rewards.detach().float(), rejected_rewards.detach().float()
     return {
-        "rewards/chosen": chosen_rewards.mean().item(),
-        "rewards/rejected": rejected_rewards.mean().item(),
-        "rewards/margins": (chosen_rewards - rejected_rewards).mean().item(),
-        "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean().item(),
-        "logps/chosen": policy_chosen_logps.detach().float().mean().item(),
-        "logps/rejected": policy_rejected_logps.detach().float().mean().item(),
+        "rewards/chosen": chosen_rewards.mean(),
+        "rewards/rejected": rejected_rewards.mean(),
+        "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+        "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+        "logps/chosen": policy_chosen_logps.detach().float().mean(),
+        "logps/rejected": policy_rejected_logps.detach().float().mean(),
     }

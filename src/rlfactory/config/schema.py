@@ -66,7 +66,8 @@ class ModelConfig(Section):
     liger_kernel: Literal["auto", "on", "off"] = Field(
         "auto",
         description="Liger's fused kernels (fused linear cross-entropy: no full-vocabulary logits in memory, "
-        "RMSNorm, SwiGLU, RoPE). auto: on for full/freeze fine-tuning on CUDA when liger-kernel is installed.",
+        "RMSNorm, SwiGLU, RoPE). auto: on for full/freeze fine-tuning on CUDA when liger-kernel is installed, and "
+        "as the kernel of the preference stages' chunked log-probs on CUDA (off: a torch loop there).",
     )
     trust_remote_code: bool = Field(False, description="Allow custom model code shipped with the checkpoint.")
 
@@ -154,6 +155,11 @@ class TrainConfig(Section):
     max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the gradient norm (null: no clipping).")
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
         "auto", description="Autocast precision. auto: bf16 on a GPU that supports it, else none."
+    )
+    torch_compile: bool = Field(
+        False,
+        description="torch.compile each decoder layer (the first steps pay the compile time; a new sequence length "
+        "can recompile once).",
     )
     eval_steps: int | None = Field(None, ge=1, description="Evaluate every N steps (and always at the end).")
     save_steps: int | None = Field(None, ge=1, description="Save a resumable checkpoint every N steps.")

@@ -105,6 +105,20 @@ def _optimizer(model: Any, cfg: RunConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=cfg.train.learning_rate, betas=betas, fused=fused or None)
 
 
+def compile_layers(model: Any) -> int:
+    """``torch.compile`` every block of the model's repeated layer stacks (a ``ModuleList`` named ``layers``).
+
+    Per layer rather than the whole model, as torchtune does: one graph serves all layers, compile time stays
+    short, and the parts around the stack (mask building, the chunked LM head, PEFT's adapter switch) stay
+    eager. Models without such a stack are compiled whole. Returns how many modules were compiled.
+    """
+    stacks = [m for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and name.endswith("layers")]
+    blocks = [block for stack in stacks for block in stack]
+    for block in blocks or [model]:
+        block.compile()
+    return len(blocks) or 1
+
+
 def _keep_trainable_weights(models: list[Any], weights: list[dict], _output_dir: str) -> None:
     """Checkpoint only trainable tensors (a LoRA checkpoint then holds the adapter, not the base model)."""
     for model, state in zip(models, weights, strict=False):
@@ -203,6 +217,8 @@ def _setup(cfg: RunConfig, model: Any, parts: StageParts) -> _Setup:
     per_process_batches = math.ceil(len(loader) / accelerator.num_processes)
     steps_per_epoch = _steps_per_epoch(per_process_batches, cfg.train.grad_accum_steps, len(parts.train_examples), cfg)
     total_steps = cfg.train.max_steps or max(1, math.ceil(steps_per_epoch * cfg.train.num_epochs))
+    if cfg.train.torch_compile:
+        log.info("torch.compile: %d decoder layers", compile_layers(model))
     optimizer = _optimizer(model, cfg)
     scheduler = get_scheduler(
         cfg.train.lr_scheduler,

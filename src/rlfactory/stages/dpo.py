@@ -85,7 +85,7 @@ def make_loss(section: DPOConfig, loss: Callable[..., Any], traits: dict, ref: r
         if section.sft_weight:
             nll = -means.chunk(2)[0]  # per-sequence mean token NLL of the chosen response
             losses = losses + section.sft_weight * nll
-            metrics["nll_loss"] = nll.detach().mean().item()
+            metrics["nll_loss"] = nll.detach().mean()
         return losses.sum(), metrics
 
     return dpo_loss

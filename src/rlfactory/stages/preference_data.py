@@ -103,7 +103,10 @@ def render_pairs(cfg: RunConfig, tokenizer: Any, examples: list[dict]) -> list[d
 
 
 def pad_rows(rows: list[Row], pad_id: int) -> Batch:
-    """Right-padded ``input_ids``, ``attention_mask`` and ``loss_mask`` (True on trained response tokens)."""
+    """Right-padded ``input_ids``, ``attention_mask`` and ``loss_mask`` (True on trained response tokens).
+
+    Without padding the mask is left out, as in sft: sdpa then runs its causal kernel instead of a masked one.
+    """
     width = max(len(prompt) + len(response) for prompt, response, _ in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(rows), width), dtype=torch.long)
@@ -113,6 +116,8 @@ def pad_rows(rows: list[Row], pad_id: int) -> Batch:
         ids[row, : n + m] = torch.tensor(prompt + response, dtype=torch.long)
         attention[row, : n + m] = 1
         loss_mask[row, n : n + m] = torch.tensor(mask, dtype=torch.bool)
+    if bool(attention.all()):  # no padding: without a mask, sdpa takes its fast causal (flash) path
+        return {"input_ids": ids, "loss_mask": loss_mask}
     return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
 
 
@@ -151,10 +156,20 @@ def sequence_logps(
 
 
 def forward_logps(model: Any, batch: Batch, prefix: str = "") -> tuple[torch.Tensor, torch.Tensor]:
-    """One causal-LM forward over the rows ``{prefix}input_ids``; returns (summed, averaged) response logps."""
-    ids, attention = batch[f"{prefix}input_ids"], batch[f"{prefix}attention_mask"]
-    logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits
-    return sequence_logps(logits, ids, batch[f"{prefix}loss_mask"])
+    """One causal-LM forward over the rows ``{prefix}input_ids``; returns (summed, averaged) response logps.
+
+    Only the response positions go through the LM head (``model.lm_head.next_token_logps``), so the
+    (2B, T, V) logits never exist. ``attention_mask`` may be absent (no padding: sdpa's causal path).
+    """
+    from rlfactory.model.lm_head import next_token_logps
+
+    inputs = {"input_ids": batch[f"{prefix}input_ids"]}
+    if f"{prefix}attention_mask" in batch:
+        inputs["attention_mask"] = batch[f"{prefix}attention_mask"]
+    mask = torch.zeros_like(batch[f"{prefix}loss_mask"])
+    mask[:, :-1] = batch[f"{prefix}loss_mask"][:, 1:]  # position t predicts token t+1
+    sums = next_token_logps(model, inputs, mask).sum(-1)
+    return sums, sums / mask.sum(-1).clamp(min=1)
 
 
 def run_device() -> torch.device:
@@ -167,13 +182,13 @@ def run_device() -> torch.device:
 PAIR_ACCURACY = "eval preference accuracy (policy logp chosen > rejected)"
 
 
-def logp_accuracy(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor) -> float:
+def logp_accuracy(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor) -> torch.Tensor:
     """Fraction of pairs whose chosen response has the higher policy log-prob, logged as ``logps/accuracies``.
 
     Unlike the implicit-reward accuracy (0 at step 0, when policy == reference), it means something before
     training, so the step-0 and final evals show what training changed.
     """
-    return (chosen_logps.detach() > rejected_logps.detach()).float().mean().item()
+    return (chosen_logps.detach() > rejected_logps.detach()).float().mean()  # 0-d: the engine reads it at log time
 
 
 def before_after(out: str | Path, metric: str, label: str, n: int) -> dict[str, dict]:

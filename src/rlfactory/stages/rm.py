@@ -56,20 +56,20 @@ def check_margins(section: RMConfig, examples: list[dict]) -> None:
         )
 
 
-def make_loss(section: RMConfig) -> Callable[[Any, Batch], tuple[torch.Tensor, dict[str, float]]]:
+def make_loss(section: RMConfig) -> Callable[[Any, Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """loss_fn(model, batch) -> (summed per-pair loss, metrics: accuracy and rewards/*)."""
 
-    def reward_loss(model: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    def reward_loss(model: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False)
         chosen, rejected = out.logits[:, 0].float().chunk(2)
         margin = batch["margin"] if section.margin_column else 0.0
         losses = bradley_terry(chosen, rejected, margin, section.center_rewards_coefficient)
         chosen, rejected = chosen.detach(), rejected.detach()
         metrics = {
-            "accuracy": (chosen > rejected).float().mean().item(),
-            "rewards/chosen": chosen.mean().item(),
-            "rewards/rejected": rejected.mean().item(),
-            "rewards/margins": (chosen - rejected).mean().item(),
+            "accuracy": (chosen > rejected).float().mean(),  # 0-d tensors: read at log time, no sync here
+            "rewards/chosen": chosen.mean(),
+            "rewards/rejected": rejected.mean(),
+            "rewards/margins": (chosen - rejected).mean(),
         }
         return losses.sum(), metrics
 
