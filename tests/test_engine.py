@@ -117,3 +117,21 @@ def test_compile_layers_finds_the_decoder_stack_under_peft():
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL)
     layers = model.config.num_hidden_layers
     assert compile_layers(apply_lora(model, LoraConfig(), False)) == layers
+
+
+def test_eval_metrics_are_means_over_the_whole_eval_set_not_over_batches():
+    """Batches of 3 and 1 pairs: a per-pair accuracy of 1,1,1 and 0 is 0.75 overall (a mean of batch means
+    would say 0.5); the eval loss is the summed loss over the summed units."""
+    from accelerate import Accelerator
+
+    from rlfactory.engine.trainer import StageParts, evaluate
+
+    batches = [torch.tensor([1.0, 1.0, 1.0]), torch.tensor([0.0])]
+
+    def loss_fn(model, batch):
+        return (1 - batch).sum() * 2, {"accuracy": batch.mean()}
+
+    parts = StageParts(batches, None, loss_fn, lambda batch: float(len(batch)))
+    out = evaluate(Accelerator(cpu=True), torch.nn.Linear(1, 1), batches, parts)
+    assert out["eval_accuracy"] == pytest.approx(0.75)
+    assert out["eval_loss"] == pytest.approx(0.5)

@@ -138,24 +138,26 @@ class _Meter:
 
     def __init__(self) -> None:
         self.sums: dict[str, Any] = defaultdict(float)
-        self.counts: dict[str, int] = defaultdict(int)
+        self.counts: dict[str, Any] = defaultdict(float)
 
-    def add(self, metrics: dict[str, Any]) -> None:
+    def add(self, metrics: dict[str, Any], weight: Any = 1.0) -> None:
+        """``weight``: how many units (pairs, tokens) the batch's metric values are means over."""
         for key, value in metrics.items():
             if value is None:
                 continue
-            self.sums[key] = self.sums[key] + (value.detach().float() if torch.is_tensor(value) else float(value))
-            self.counts[key] += 1
+            value = value.detach().float() if torch.is_tensor(value) else float(value)
+            self.sums[key] = self.sums[key] + value * weight
+            self.counts[key] = self.counts[key] + weight
 
     def pop(self) -> dict[str, float]:
-        out = {k: float(self.sums[k]) / self.counts[k] for k in self.sums}
+        out = {k: float(self.sums[k]) / float(self.counts[k]) for k in self.sums}
         self.sums.clear()
         self.counts.clear()
         return {k: v for k, v in out.items() if not math.isnan(v)}
 
 
 def evaluate(accelerator: Any, model: Any, loader: Any, parts: StageParts) -> dict[str, float]:
-    """Eval loss = summed loss / summed units over the whole eval set, plus averaged stage metrics."""
+    """Eval loss = summed loss / summed units over the whole eval set; stage metrics weighted by units too."""
     model.eval()
     total_loss = torch.zeros((), device=accelerator.device)
     total_count = torch.zeros((), device=accelerator.device)
@@ -164,9 +166,10 @@ def evaluate(accelerator: Any, model: Any, loader: Any, parts: StageParts) -> di
         for batch in loader:
             with accelerator.autocast():
                 loss_sum, metrics = parts.loss_fn(model, batch)
+            count = parts.count_fn(batch)
             total_loss += loss_sum.detach().float()
-            total_count += parts.count_fn(batch)
-            meter.add(metrics)
+            total_count += count
+            meter.add(metrics, weight=count)  # a smaller last batch weighs less: means over the whole eval set
     total_loss = accelerator.reduce(total_loss, "sum")
     total_count = accelerator.reduce(total_count, "sum")
     model.train()
