@@ -84,14 +84,15 @@ def peak_memory_gb() -> float:
     return peak / (2**30 if sys.platform == "darwin" else 2**20)
 
 
-def grad_norm(accelerator: Any, model: Any, max_norm: float | None) -> float:
-    """Clip (when ``max_norm``) and return the total gradient norm before clipping."""
+def grad_norm(accelerator: Any, model: Any, max_norm: float | None) -> torch.Tensor | float:
+    """Clip (when ``max_norm``) and return the total gradient norm before clipping, as a device tensor (reading
+    it would make the CPU wait for the GPU; the caller reads it once per RL step)."""
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return 0.0
     if max_norm is not None:
-        return float(accelerator.clip_grad_norm_(params, max_norm))
-    return float(torch.stack([p.grad.detach().float().norm() for p in params]).norm())
+        return accelerator.clip_grad_norm_(params, max_norm).detach().float()
+    return torch.stack([p.grad.detach().float().norm() for p in params]).norm()
 
 
 def keep_trainable_weights(models: list[Any], weights: list[dict], _output_dir: str) -> None:

@@ -131,27 +131,29 @@ class Updater:
     def run(self, batch: Batch, alg: AlgorithmConfig, micro: int, mask_key: str, loss_fn: Callable, prefix: str):
         from rlfactory.engine.online import grad_norm
 
-        sums: dict[str, list[float]] = defaultdict(list)
+        # metrics stay device tensors until the end of the step: a float() per micro-batch is a GPU sync that
+        # stops the CPU from queueing the next micro-batch's kernels
+        sums: dict[str, list[Any]] = defaultdict(list)
         n = batch["responses"].shape[0]
         for _ in range(alg.ppo_epochs):
             order = torch.randperm(n, device=batch["responses"].device)
             for mini_rows in torch.tensor_split(order, alg.num_mini_batches):
                 if batch[mask_key][mini_rows].sum() == 0:
                     continue  # nothing to learn from (e.g. every sample truncated and masked)
-                mini: dict[str, float] = defaultdict(float)
+                mini: dict[str, Any] = defaultdict(float)
                 for pos in micro_batches(torch.arange(len(mini_rows), device=order.device), micro):
                     with self.accelerator.autocast():
                         loss, metrics = loss_fn(mini_rows[pos], pos, mini_rows)
                     self.accelerator.backward(loss)
                     for key, value in metrics.items():
-                        mini[key] += float(value)
+                        mini[key] = mini[key] + (value.detach().float() if torch.is_tensor(value) else value)
                 mini["grad_norm"] = grad_norm(self.accelerator, self.model, self.max_grad_norm)
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 for key, value in mini.items():
                     sums[key].append(value)
-        metrics = {f"{prefix}/{k}": sum(v) / len(v) for k, v in sums.items()}
+        metrics = {f"{prefix}/{k}": float(sum(v)) / len(v) for k, v in sums.items()}
         metrics[f"{prefix}/lr"] = self.scheduler.get_last_lr()[0]
         return metrics
 
@@ -201,7 +203,7 @@ def actor_loss_fn(
             pg_metrics = {**pg_metrics, **is_metrics}
         pg_loss = _part(agg, per_token, mini_mask, pos, max_len)
         loss = pg_loss
-        share = float(mask.sum() / mini_mask.sum().clamp(min=1))  # token weight of masked-mean metrics
+        share = mask.sum() / mini_mask.sum().clamp(min=1)  # token weight of masked-mean metrics (a tensor: no sync)
         metrics = {"pg_loss": pg_loss.detach(), **{k: v * share for k, v in pg_metrics.items()}}
         metrics["entropy"] = masked_mean(entropy.detach(), mask) * share
         if alg.kl_loss_coef > 0:
@@ -230,7 +232,7 @@ def critic_loss_fn(critic: Any, batch: Batch, alg: AlgorithmConfig, max_len: int
             values, batch["values"][rows], batch["returns"][rows], mask, clip_range=alg.value_clip
         )
         loss = _part(agg, per_token, mini_mask, pos, max_len)
-        share = float(mask.sum() / mini_mask.sum().clamp(min=1))
+        share = mask.sum() / mini_mask.sum().clamp(min=1)
         return loss, {"vf_loss": loss.detach(), **{k: v * share for k, v in metrics.items()}}
 
     return loss_fn
