@@ -135,6 +135,7 @@ def _expect_error(tmp_path: Path, cfg: dict, *fragments: str) -> None:
         ),  # fmt: skip
         (["python"], {}, ["arith_tool_prompts:1: tools[0] offers tool 'calculator'", "not declare"]),
         (["calculator"], {"parser": "qwen"}, ["unknown tool-call parser 'qwen'", "hermes"]),
+        (["calculator"], {"parser": "harmony"}, ["agent.parser: harmony", "stop on two tokens"]),
     ],
 )
 def test_bad_tool_config_is_a_clear_error_before_training(tmp_path: Path, tools, agent, fragments):

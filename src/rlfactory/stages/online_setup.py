@@ -57,10 +57,20 @@ def check_columns(examples: list[dict[str, Any]], needs_answer: list[str], datas
 
 
 def check_backend(cfg: RunConfig) -> None:
-    """``rollout.backend: vllm`` needs the vllm package: say so before any model loads (without importing it)."""
+    """What this environment's rollout cannot do, said before any model loads: ``rollout.backend: vllm`` without
+    the vllm package (not imported here); the harmony format's two stop tokens."""
     import importlib.util
 
     assert cfg.rollout is not None
+    if cfg.agent is not None and cfg.agent.parser == "harmony" and (cfg.tools or cfg.agent.env):
+        # a harmony turn ends with <|call|> (a tool call) or <|return|> (the answer); the backends and the agent
+        # loop stop on one end-of-turn token, so a call would run on past <|call|> instead of being executed
+        raise UserError(
+            "agent.parser: harmony (GPT-OSS) needs rollouts that stop on two tokens (<|call|> and <|return|>); "
+            "the rollout backends stop on one end-of-turn token for now, so multi-turn tool calls would not run. "
+            "Use a model whose tool calls end its turn (hermes or json parser), or train GPT-OSS on tool-calling "
+            "data offline (sft/dpo)"
+        )
     if cfg.rollout.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise UserError(
             "rollout.backend: vllm needs the vllm package, which is not installed in this environment: "
