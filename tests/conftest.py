@@ -44,3 +44,13 @@ def sft_config(tmp_path: Path) -> dict:
         "train": {"max_steps": 4, "per_device_batch_size": 8, "learning_rate": 1e-3},
         "logging": {"progress_bar": False, "plot_loss": False},
     }
+
+
+def expect_train_error(tmp_path: Path, cfg: dict, *fragments: str) -> None:
+    """`rlfactory train` on bad input: exit 2, no traceback, every fragment in the message, nothing written."""
+    result = run_cli("train", str(write_yaml(tmp_path / "bad.yaml", cfg)))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in result.stderr, result.stderr
+    assert not Path(cfg["output_dir"]).exists()

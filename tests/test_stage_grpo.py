@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.conftest import DATA_DIR, TINY_MODEL, run_cli, write_yaml
+from tests.conftest import DATA_DIR, TINY_MODEL, expect_train_error, run_cli, write_yaml
 
 from rlfactory.config.schema import AlgorithmConfig
 from rlfactory.engine.run_dir import read_log
@@ -264,21 +264,12 @@ def test_grpo_learns_on_the_bundled_task(tmp_path: Path):
 
 
 # --------------------------------------------------------------------------- bad input: exit 2, no traceback
-def _expect_error(tmp_path: Path, cfg: dict, *fragments: str) -> None:
-    result = run_cli("train", str(write_yaml(tmp_path / "bad.yaml", cfg)))
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert "Traceback" not in result.stderr
-    for fragment in fragments:
-        assert fragment in result.stderr, result.stderr
-    assert not Path(cfg["output_dir"]).exists()  # nothing written
-
-
 def test_reward_needing_an_answer_on_a_dataset_without_one(tmp_path: Path):
     rows = [{"messages": [{"role": "user", "content": f"say {i}"}]} for i in range(4)]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "dataset_info.yaml").write_text("plain:\n  file_name: p.jsonl\n  formatting: openai\n")
     cfg = grpo_config(tmp_path, data={"dataset": "plain", "dataset_dir": str(tmp_path)}, evaluation={"dataset": None})
-    _expect_error(
+    expect_train_error(
         tmp_path,
         cfg,
         "answer_match needs a reference answer",
@@ -311,4 +302,4 @@ def test_reward_needing_an_answer_on_a_dataset_without_one(tmp_path: Path):
 def test_bad_config_is_a_clear_error_before_any_model_loads(tmp_path: Path, section, values, fragments):
     cfg = grpo_config(tmp_path)
     cfg[section] = values if section == "reward" else {**cfg.get(section, {}), **values}
-    _expect_error(tmp_path, cfg, *fragments)
+    expect_train_error(tmp_path, cfg, *fragments)

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from tests.conftest import DATA_DIR, ROOT, TINY_MODEL, run_cli, write_yaml
+from tests.conftest import DATA_DIR, ROOT, TINY_MODEL, expect_train_error, run_cli, write_yaml
 
 from rlfactory.engine.run_dir import read_log
 
@@ -103,15 +103,6 @@ def test_grpo_with_the_calculator_raises_held_out_success(tmp_path: Path):
     assert after["val/invalid_calls/rate"] <= 0.05
 
 
-def _expect_error(tmp_path: Path, cfg: dict, *fragments: str) -> None:
-    result = run_cli("train", str(write_yaml(tmp_path / "bad.yaml", cfg)))
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert "Traceback" not in result.stderr
-    for fragment in fragments:
-        assert fragment in result.stderr, result.stderr
-    assert not Path(cfg["output_dir"]).exists()
-
-
 @pytest.mark.parametrize(
     ("tools", "agent", "fragments"),
     [
@@ -139,7 +130,7 @@ def _expect_error(tmp_path: Path, cfg: dict, *fragments: str) -> None:
     ],
 )
 def test_bad_tool_config_is_a_clear_error_before_training(tmp_path: Path, tools, agent, fragments):
-    _expect_error(tmp_path, tools_config(tmp_path, tools=tools, agent=agent), *fragments)
+    expect_train_error(tmp_path, tools_config(tmp_path, tools=tools, agent=agent), *fragments)
 
 
 def test_config_check_runs_the_tool_checks(tmp_path: Path):
