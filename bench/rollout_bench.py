@@ -236,6 +236,7 @@ def _grpo_cfg(args, model_dir: Path, out: Path, backend: str, sync: str, sleep: 
             "per_device_batch_size": args.micro,
             "learning_rate": 1e-5,
             "lr_scheduler": "constant",
+            "torch_compile": args.compile,
         },
         "evaluation": {"dataset": None},
         "logging": {"logging_steps": 1, "progress_bar": False, "plot_loss": False, "rollout_trace_steps": None},
@@ -278,6 +279,7 @@ def case_grpo(args, model_dir: Path) -> dict:
         "sync": args.sync,
         "sleep": args.sleep,
         "micro": args.micro,
+        "compile": args.compile,
         "exit": code,
         "steps": len(steps),
         "step_s": round(step_s, 4) if step_s else None,
@@ -441,6 +443,7 @@ def table(results: list[dict]) -> str:
                 diff = "-"
             else:
                 name = f"ours {r['impl']} {r['sync']} micro {r['micro']}" + (" +sleep" if r.get("sleep") else "")
+                name += " +compile" if r.get("compile") else ""
                 parts = {k: r[f"timing_s/{k}"] for k in BREAKDOWN if r.get(f"timing_s/{k}") is not None}
                 mean, mx = r.get("rollout/logprob_diff_mean"), r.get("rollout/logprob_diff_max")
                 diff = f"{mean:.2e} / {mx:.2e}" if mean is not None else "-"
@@ -467,7 +470,8 @@ def main() -> None:
     parser.add_argument(
         "--grpo-runs",
         default="adapter:16,adapter:64,merged:64",
-        help="grpo: lora_sync:micro-batch pairs (train.per_device_batch_size; 16 = TRL's micro-batch here)",
+        help="grpo: lora_sync:micro-batch pairs (train.per_device_batch_size; 16 = TRL's micro-batch here); "
+        "a third field :compile adds train.torch_compile",
     )
     parser.add_argument("--sleep-runs", default="adapter:64,merged:64", help="memory: the same, with sleep mode")
     parser.add_argument("--gpu-mem", type=float, default=0.3, help="vLLM gpu_memory_utilization (both)")
@@ -483,6 +487,7 @@ def main() -> None:
     parser.add_argument("--sync", default="adapter", help=argparse.SUPPRESS)
     parser.add_argument("--micro", type=int, default=16, help=argparse.SUPPRESS)
     parser.add_argument("--sleep", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -494,15 +499,19 @@ def main() -> None:
     # the side-by-side speed runs first: what a cut-off call still brings back
     if "trl" in cases:
         runs += [["--case", "trl"]]
-    pairs = lambda text: [(p.split(":")[0], p.split(":")[1]) for p in text.split(",") if p]
+    # "sync:micro" or "sync:micro:compile" (train.torch_compile)
+    pairs = lambda text: [(p.split(":")[0], p.split(":")[1], p.endswith(":compile")) for p in text.split(",") if p]
+    flag = lambda compiled: ["--compile"] if compiled else []
     if "grpo" in cases:
-        runs += [["--case", "grpo", "--impl", impl, "--sync", s, "--micro", m] for s, m in pairs(args.grpo_runs)]
+        runs += [
+            ["--case", "grpo", "--impl", impl, "--sync", s, "--micro", m, *flag(c)] for s, m, c in pairs(args.grpo_runs)
+        ]
     if "trl" in cases and args.trl_no_gc:
         runs += [["--case", "trl", "--trl-no-gc"]]
     if "memory" in cases:  # the same runs with sleep mode (sleep off: the grpo runs)
         runs += [
-            ["--case", "memory", "--impl", impl, "--sync", s, "--micro", m, "--sleep"]
-            for s, m in pairs(args.sleep_runs)
+            ["--case", "memory", "--impl", impl, "--sync", s, "--micro", m, "--sleep", *flag(c)]
+            for s, m, c in pairs(args.sleep_runs)
         ]
     if "gen" in cases:
         runs += [["--case", "gen", "--impl", i] for i in ("vllm", "hf")]

@@ -7,7 +7,8 @@
 Cases: sft_full, sft_lora (LoRA r=16 all-linear), dpo_lora (sigmoid DPO, beta 0.1, reference = adapter
 disabled, no precomputed reference), rm_full / rm_lora (Bradley-Terry reward model, 1-output score head).
 Impls: ``ours`` (the stage's own loss path through the shared engine), ``ours_compile``
-(``train.torch_compile``), ``ours_torchlp`` (the torch loop instead of Liger's kernel for the chunked LM-head
+(``train.torch_compile``), ``ours_compile_noliger`` (compiled, without Liger's layer kernels),
+``ours_torchlp`` (the torch loop instead of Liger's kernel for the chunked LM-head
 log-probs), and TRL:
 ``trl_wrapped`` / ``trl_bfd`` / ``trl_padded`` / ``trl_wrapped_liger`` (SFT packing variants) or ``trl``
 (DPOTrainer / RewardTrainer; any ``trl*`` name selects them for the dpo and rm cases).
@@ -34,10 +35,24 @@ import tempfile
 import time
 
 SHAPES = {
-    "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                 intermediate_size=128, vocab_size=512, tie_word_embeddings=True),
+    "qwen2.5-0.5b": dict(
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=128,
+        vocab_size=512,
+        tie_word_embeddings=True,
+    ),
 }
 PEAK_FLOPS = 989e12
 
@@ -81,8 +96,10 @@ def random_sequences(n: int, seq: int, vocab: int) -> list[list[int]]:
 def random_pairs(sequences: list[list[int]]) -> list[dict[str, list[int]]]:
     """Pairs from two sequences each: a prompt of seq/4 tokens and two responses of 3 seq/4, ending in eos (2)."""
     cut = len(sequences[0]) // 4
-    return [{"prompt_ids": a[:cut], "chosen_ids": a[cut:-1] + [2], "rejected_ids": b[cut:-1] + [2]}
-            for a, b in zip(sequences[::2], sequences[1::2], strict=True)]
+    return [
+        {"prompt_ids": a[:cut], "chosen_ids": a[cut:-1] + [2], "rejected_ids": b[cut:-1] + [2]}
+        for a, b in zip(sequences[::2], sequences[1::2], strict=True)
+    ]
 
 
 def _ours_parts(args, model, tokenizer, sequences):
@@ -99,19 +116,33 @@ def _ours_parts(args, model, tokenizer, sequences):
             from rlfactory.model.heads import _apply_lora
 
             torch_seed()
-            model = _apply_lora(model, validate_config({"stage": "rm", "model": {"name_or_path": "bench"},
-                                                        "data": {"dataset": "bench"},
-                                                        "lora": lora.model_dump()}, "bench"))
-        items = [{**p, "chosen_mask": [True] * len(p["chosen_ids"]), "rejected_mask": [True] * len(p["rejected_ids"])}
-                 for p in random_pairs(sequences)]
+            model = _apply_lora(
+                model,
+                validate_config(
+                    {
+                        "stage": "rm",
+                        "model": {"name_or_path": "bench"},
+                        "data": {"dataset": "bench"},
+                        "lora": lora.model_dump(),
+                    },
+                    "bench",
+                ),
+            )
+        items = [
+            {**p, "chosen_mask": [True] * len(p["chosen_ids"]), "rejected_mask": [True] * len(p["rejected_ids"])}
+            for p in random_pairs(sequences)
+        ]
         return model, StageParts(items, preference_data.collate_pairs(0), rm.make_loss(RMConfig()), dpo.count_pairs)
-    maybe_apply_liger(model, None, "lora" if args.case.endswith("lora") else "full")  # as the model loader does
+    if not args.impl.endswith("_noliger"):  # as the model loader does
+        maybe_apply_liger(model, None, "lora" if args.case.endswith("lora") else "full")
     if args.case.endswith("lora"):
         torch_seed()
         model = apply_lora(model, lora, False)
     if args.case.startswith("dpo"):
-        items = [{**p, "chosen_mask": [True] * len(p["chosen_ids"]), "rejected_mask": [True] * len(p["rejected_ids"])}
-                 for p in random_pairs(sequences)]
+        items = [
+            {**p, "chosen_mask": [True] * len(p["chosen_ids"]), "rejected_mask": [True] * len(p["rejected_ids"])}
+            for p in random_pairs(sequences)
+        ]
         loss, traits = dpo.check_loss_type("sigmoid")
         ref = reference.build_reference(None, model)  # LoRA: the adapter-disabled policy, no copy
         loss_fn = dpo.make_loss(DPOConfig(), loss, traits, ref)
@@ -137,18 +168,28 @@ def run_ours(args, model, tokenizer, sequences, out: str) -> tuple[list[float], 
     if args.impl == "ours_torchlp":
         common.LINEAR_LOGPROBS_BACKEND = "torch"  # the chunked torch loop instead of Liger's kernel
     stage = args.case.split("_")[0]
-    cfg = validate_config({
-        "stage": stage, "output_dir": out, "model": {"name_or_path": "bench"},
-        "data": {"dataset": "bench", "shuffle": False},
-        "train": {"max_steps": args.warmup + args.steps, "per_device_batch_size": args.batch, "learning_rate": args.lr,
-                  "lr_scheduler": "constant", "mixed_precision": "bf16" if args.device == "cuda" else "no",
-                  **({"torch_compile": True} if args.impl == "ours_compile" else {})},
-        "logging": {"logging_steps": 1, "plot_loss": False, "progress_bar": False},
-    }, "bench")
+    cfg = validate_config(
+        {
+            "stage": stage,
+            "output_dir": out,
+            "model": {"name_or_path": "bench"},
+            "data": {"dataset": "bench", "shuffle": False},
+            "train": {
+                "max_steps": args.warmup + args.steps,
+                "per_device_batch_size": args.batch,
+                "learning_rate": args.lr,
+                "lr_scheduler": "constant",
+                "mixed_precision": "bf16" if args.device == "cuda" else "no",
+                **({"torch_compile": True} if args.impl.startswith("ours_compile") else {}),
+            },
+            "logging": {"logging_steps": 1, "plot_loss": False, "progress_bar": False},
+        },
+        "bench",
+    )
     train(cfg, model, tokenizer, parts, None)
     records = [r for r in read_log(out) if "loss" in r]
     elapsed = [r["elapsed_s"] for r in records]
-    steps = [b - a for a, b in zip(elapsed, elapsed[1:], strict=False)][args.warmup - 1:]
+    steps = [b - a for a, b in zip(elapsed, elapsed[1:], strict=False)][args.warmup - 1 :]
     return steps, [r["loss"] for r in records]
 
 
@@ -175,12 +216,27 @@ def run_trl(args, model, tokenizer, sequences, out: str) -> tuple[list[float], l
         from peft import LoraConfig
 
         task = "SEQ_CLS" if args.case.startswith("rm") else "CAUSAL_LM"
-        peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type=task,
-                                 modules_to_save=["score"] if task == "SEQ_CLS" else None)
+        peft_config = LoraConfig(
+            r=16,
+            lora_alpha=32,
+            lora_dropout=0.0,
+            target_modules="all-linear",
+            task_type=task,
+            modules_to_save=["score"] if task == "SEQ_CLS" else None,
+        )
     common = dict(
-        output_dir=out, per_device_train_batch_size=args.batch, max_steps=args.warmup + args.steps,
-        learning_rate=args.lr, lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none",
-        bf16=args.device == "cuda", gradient_checkpointing=False, max_length=args.seq, use_cpu=args.device == "cpu",
+        output_dir=out,
+        per_device_train_batch_size=args.batch,
+        max_steps=args.warmup + args.steps,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        bf16=args.device == "cuda",
+        gradient_checkpointing=False,
+        max_length=args.seq,
+        use_cpu=args.device == "cpu",
         dataloader_drop_last=True,
     )
     if args.case.startswith("dpo"):
@@ -188,25 +244,36 @@ def run_trl(args, model, tokenizer, sequences, out: str) -> tuple[list[float], l
 
         text = lambda ids: " ".join(tokenizer.convert_ids_to_tokens(ids))  # noqa: E731 (decodes to the same ids)
         pairs = random_pairs(sequences)
-        dataset = Dataset.from_dict({"prompt": [text(p["prompt_ids"]) for p in pairs],
-                                     "chosen": [" " + text(p["chosen_ids"]) for p in pairs],
-                                     "rejected": [" " + text(p["rejected_ids"]) for p in pairs]})
+        dataset = Dataset.from_dict(
+            {
+                "prompt": [text(p["prompt_ids"]) for p in pairs],
+                "chosen": [" " + text(p["chosen_ids"]) for p in pairs],
+                "rejected": [" " + text(p["rejected_ids"]) for p in pairs],
+            }
+        )
         config = DPOConfig(**common, precompute_ref_log_probs=False, beta=0.1, loss_type=["sigmoid"])
         trainer_cls = DPOTrainer
     elif args.case.startswith("rm"):
         from trl import RewardConfig, RewardTrainer
 
         pairs = random_pairs(sequences)
-        dataset = Dataset.from_dict({"chosen_ids": [p["prompt_ids"] + p["chosen_ids"] for p in pairs],
-                                     "rejected_ids": [p["prompt_ids"] + p["rejected_ids"] for p in pairs]})
+        dataset = Dataset.from_dict(
+            {
+                "chosen_ids": [p["prompt_ids"] + p["chosen_ids"] for p in pairs],
+                "rejected_ids": [p["prompt_ids"] + p["rejected_ids"] for p in pairs],
+            }
+        )
         config, trainer_cls = RewardConfig(**common), RewardTrainer
     else:
         from trl import SFTConfig, SFTTrainer
 
         packing = args.impl.removeprefix("trl_").removesuffix("_liger")
         config = SFTConfig(
-            **common, packing=packing != "padded", packing_strategy="wrapped" if packing == "wrapped" else "bfd",
-            padding_free=packing == "bfd", use_liger_kernel=args.impl.endswith("_liger"),
+            **common,
+            packing=packing != "padded",
+            packing_strategy="wrapped" if packing == "wrapped" else "bfd",
+            padding_free=packing == "bfd",
+            use_liger_kernel=args.impl.endswith("_liger"),
         )
         dataset, trainer_cls = Dataset.from_dict({"input_ids": sequences}), SFTTrainer
     if peft_config is not None:  # the adapter made here, seeded as ours, so both start from the same weights
@@ -214,12 +281,13 @@ def run_trl(args, model, tokenizer, sequences, out: str) -> tuple[list[float], l
 
         torch_seed()
         model = get_peft_model(model, peft_config)
-    trainer = trainer_cls(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
-                          callbacks=[Timer()])
+    trainer = trainer_cls(
+        model=model, args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[Timer()]
+    )
     # ours reads the data in order (data.shuffle: false); so does TRL here, so the loss curves are comparable
     trainer._get_train_sampler = lambda *_a, **_k: torch.utils.data.SequentialSampler(trainer.train_dataset)
     trainer.train()
-    return [b - a for a, b in zip(marks, marks[1:], strict=False)][args.warmup - 1:], losses
+    return [b - a for a, b in zip(marks, marks[1:], strict=False)][args.warmup - 1 :], losses
 
 
 def worker(args) -> None:
@@ -237,12 +305,22 @@ def worker(args) -> None:
         steps, losses = runner(args, model, tokenizer, sequences, out)
     step_s = statistics.median(steps)
     tokens_per_s = rows * args.seq / step_s
-    print("RESULT " + json.dumps({
-        "case": args.case, "impl": args.impl, "step_s": round(step_s, 4), "tokens_per_s": round(tokens_per_s),
-        "mfu": round(6 * n_params * tokens_per_s / PEAK_FLOPS, 4),
-        "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None,
-        "timed_steps": len(steps), "losses": [round(x, 5) for x in losses[:6]],
-    }), flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "case": args.case,
+                "impl": args.impl,
+                "step_s": round(step_s, 4),
+                "tokens_per_s": round(tokens_per_s),
+                "mfu": round(6 * n_params * tokens_per_s / PEAK_FLOPS, 4),
+                "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None,
+                "timed_steps": len(steps),
+                "losses": [round(x, 5) for x in losses[:6]],
+            }
+        ),
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -267,9 +345,25 @@ def main() -> None:
     rows = []
     for case in args.cases.split(","):
         for impl in args.impls.split(","):
-            cmd = [sys.executable, __file__, "--worker", case, impl, "--shape", args.shape, "--batch", str(args.batch),
-                   "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--lr", str(args.lr)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                case,
+                impl,
+                "--shape",
+                args.shape,
+                "--batch",
+                str(args.batch),
+                "--seq",
+                str(args.seq),
+                "--steps",
+                str(args.steps),
+                "--warmup",
+                str(args.warmup),
+                "--lr",
+                str(args.lr),
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if not lines:
@@ -281,8 +375,10 @@ def main() -> None:
     for row in rows:
         trl = [r["tokens_per_s"] for r in rows if r["case"] == row["case"] and r["impl"].startswith("trl")]
         ratio = f"{row['tokens_per_s'] / max(trl):.2f}x" if trl else "-"
-        print(f"| {row['case']} | {row['impl']} | {row['step_s']} | {row['tokens_per_s']} | {row['mfu']:.1%} | "
-              f"{row['peak_mem_gb']} | {ratio} |")
+        print(
+            f"| {row['case']} | {row['impl']} | {row['step_s']} | {row['tokens_per_s']} | {row['mfu']:.1%} | "
+            f"{row['peak_mem_gb']} | {ratio} |"
+        )
     print("\nfirst losses (ours vs each TRL impl, max |difference| over the shared steps):")
     for ours in [r for r in rows if r["impl"] == "ours"]:
         for trl in [r for r in rows if r["case"] == ours["case"] and r["impl"].startswith("trl")]:

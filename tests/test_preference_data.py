@@ -58,9 +58,13 @@ def test_concatenated_forward_equals_separate_forwards(tokenizer, model):
     items = preference_data.render_pairs(_cfg(), tokenizer, examples)
     batch = preference_data.collate_pairs(tokenizer.pad_token_id)(items)
     assert batch["input_ids"].shape[0] == 2 * len(items)
-    assert len({len(it["prompt_ids"]) + len(it["chosen_ids"]) for it in items} | {
-        len(it["prompt_ids"]) + len(it["rejected_ids"]) for it in items
-    }) > 1  # rows of different lengths: padding is exercised
+    assert (
+        len(
+            {len(it["prompt_ids"]) + len(it["chosen_ids"]) for it in items}
+            | {len(it["prompt_ids"]) + len(it["rejected_ids"]) for it in items}
+        )
+        > 1
+    )  # rows of different lengths: padding is exercised
     with torch.no_grad():
         sums, means = preference_data.forward_logps(model, batch)
     rows = [(it["prompt_ids"], it["chosen_ids"], it["chosen_mask"]) for it in items]
@@ -111,6 +115,49 @@ def test_linear_token_logprobs_matches_full_log_softmax():
         torch.testing.assert_close(mine, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_linear_nll_sum_matches_cross_entropy_with_gradients_formed_in_forward():
+    """sft's head loss: value and both gradients (scaled by the upstream gradient, as the engine's 1/tokens)
+    against a float64 cross-entropy sum, with chunks that do not divide the rows; no grads when not needed."""
+    from rlfactory.algos.common import linear_nll_sum
+
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(37, 16, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, requires_grad=True)
+    labels = torch.randint(0, 50, (37,), generator=g)
+    got = linear_nll_sum(hidden, weight, labels, chunk_size=8)
+    got_grads = torch.autograd.grad(got * 0.25, (hidden, weight))
+    want = F.cross_entropy((hidden @ weight.T).double(), labels, reduction="sum")
+    want_grads = torch.autograd.grad(want * 0.25, (hidden, weight))
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-6)
+    for mine, ref in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(mine.double(), ref.double(), atol=1e-5, rtol=1e-5)
+    frozen = linear_nll_sum(hidden, weight.detach(), labels, chunk_size=8)  # LoRA: the head is frozen
+    (only_h,) = torch.autograd.grad(frozen * 0.25, (hidden,))
+    torch.testing.assert_close(only_h.double(), want_grads[0].double(), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # evaluation: the value alone
+        torch.testing.assert_close(linear_nll_sum(hidden, weight, labels).double(), want, atol=1e-4, rtol=1e-6)
+
+
+def test_sft_loss_through_the_chunked_head_equals_the_models_own_loss(tokenizer, model):
+    """sft.nll_sum (hooked hidden states + chunked head, labelled positions only) against transformers' own
+    summed loss on the full logits, value and LM-head gradient, on a padded batch with masked prompt tokens."""
+    from rlfactory.stages import sft
+
+    items = [
+        {"input_ids": [5, 6, 7, 8, 9], "labels": [-100, -100, 7, 8, 9]},
+        {"input_ids": [4, 3, 2], "labels": [-100, 3, 2]},
+    ]
+    batch = sft.collate_padded(tokenizer.pad_token_id)(items)
+    got, _ = sft.nll_sum(model, batch)
+    got_grad = torch.autograd.grad(got, model.lm_head.weight)[0]
+    want = model(
+        **{k: batch[k] for k in ("input_ids", "attention_mask")}, labels=batch["labels"], num_items_in_batch=1
+    ).loss
+    want_grad = torch.autograd.grad(want, model.lm_head.weight)[0]
+    torch.testing.assert_close(got, want.float(), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(got_grad, want_grad, atol=1e-4, rtol=1e-4)  # tied: embedding grads add in
+
+
 def test_forward_logps_fused_head_equals_full_logits(tokenizer, model):
     """The hooked path (hidden states + chunked head, response positions only) against full logits, with grads."""
     items = preference_data.render_pairs(_cfg(), tokenizer, _pairs(4))
@@ -141,9 +188,10 @@ def test_truncation_cuts_the_prompt_from_the_left_or_drops(tokenizer, caplog):
         cut = preference_data.render_pairs(_cfg(cutoff_len=cutoff), tokenizer, examples)
     assert len(cut) == 4 and "4 example(s) longer than data.cutoff_len" in caplog.text
     for before, after in zip(full, cut, strict=True):
-        assert after["chosen_ids"] == before["chosen_ids"] and after["prompt_ids"] == before["prompt_ids"][-len(
-            after["prompt_ids"]
-        ) :]
+        assert (
+            after["chosen_ids"] == before["chosen_ids"]
+            and after["prompt_ids"] == before["prompt_ids"][-len(after["prompt_ids"]) :]
+        )
         assert len(after["prompt_ids"]) + max(len(after["chosen_ids"]), len(after["rejected_ids"])) <= cutoff
     with pytest.raises(UserError, match="no example fits data.cutoff_len"):
         preference_data.render_pairs(_cfg(cutoff_len=cutoff, truncation="drop"), tokenizer, examples)
@@ -186,8 +234,13 @@ def test_reward_loss_matches_trl_reward_trainer(tokenizer, tmp_path):
     from trl import RewardConfig, RewardTrainer
 
     cfg = validate_config(
-        {"stage": "rm", "model": {"name_or_path": str(TINY_MODEL), "finetuning": "full"},
-         "data": {"dataset": "arith_pref"}, "rm": {"center_rewards_coefficient": 0.01}}, "test"
+        {
+            "stage": "rm",
+            "model": {"name_or_path": str(TINY_MODEL), "finetuning": "full"},
+            "data": {"dataset": "arith_pref"},
+            "rm": {"center_rewards_coefficient": 0.01},
+        },
+        "test",
     )
     from rlfactory.model.heads import load_reward_model_for_training
 
@@ -230,8 +283,15 @@ def test_every_dpo_loss_type_on_one_batch(tokenizer, model, loss_type):
             assert float(total) / len(items) == pytest.approx(zero_margin[loss_type], rel=1e-5)
             assert metrics["rewards/margins"] == 0.0
         if live is not None:
-            reference.precompute_pairs(None, _cfg(), model, [items], collate=collate, batch_size=3,
-                                       length_normalised=traits["length_normalised"])
+            reference.precompute_pairs(
+                None,
+                _cfg(),
+                model,
+                [items],
+                collate=collate,
+                batch_size=3,
+                length_normalised=traits["length_normalised"],
+            )
             precomputed, _ = dpo.make_loss(section, loss, traits, None)(model, collate(items))
             assert float(precomputed) == pytest.approx(float(total), rel=1e-6)
         with_nll, _ = dpo.make_loss(section.model_copy(update={"sft_weight": 1.0}), loss, traits, live)(

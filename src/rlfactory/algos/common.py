@@ -101,6 +101,68 @@ def linear_token_logprobs(
 LINEAR_LOGPROBS_BACKEND = "torch"  # "liger": Liger's fused linear cross-entropy on CUDA (set by model.liger_kernel)
 
 
+class _LinearNLLSum(torch.autograd.Function):
+    """``sum(-log_softmax(hidden @ weight.T)[label])`` with both gradients computed in the forward, chunk by chunk.
+
+    Written by hand because Liger's fused linear cross-entropy, the library option, sizes its chunks from
+    vocabulary / hidden (152k / 896 -> 64-token chunks): 128 under-filled matmuls per 8k tokens and as many
+    read-modify-writes of the (V, H) weight gradient. Here a chunk is ``chunk_size`` tokens (a few, for a batch).
+    A loss sum needs no per-token upstream gradient, so nothing is recomputed in backward (unlike
+    ``_LinearLogprobs``); the price is holding grad_hidden and grad_weight from forward to backward.
+    """
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, hidden, weight, labels, chunk_size):  # noqa: ANN001 (autograd signature)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        device_type = hidden.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+        h_all, w = hidden.to(dtype), weight.to(dtype)
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            h, target = h_all[rows], labels[rows, None]
+            logits = (h @ w.T).float()
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+            loss += (lse - logits.gather(-1, target)).sum()
+            if need_h or need_w:  # d nll / d logits = softmax(logits) - onehot(label), built in place
+                dlogits = logits.sub_(lse).exp_()
+                dlogits.scatter_add_(-1, target, torch.full_like(lse, -1.0))
+                dlogits = dlogits.to(dtype)
+                if need_h:
+                    grad_h[rows] = (dlogits @ w).to(hidden.dtype)
+                if need_w:
+                    grad_w += (dlogits.T @ h).float()
+        ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype))
+        return loss
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, grad_out):  # noqa: ANN001
+        grad_h, grad_w = ctx.saved_tensors
+        scale = grad_out.to(torch.float32)
+        return (
+            None if grad_h is None else grad_h * scale.to(grad_h.dtype),
+            None if grad_w is None else grad_w * scale.to(grad_w.dtype),
+            None,
+            None,
+        )
+
+
+def linear_nll_sum(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 4096
+) -> torch.Tensor:
+    """Summed next-token NLL under the LM head, ``sum(-log_softmax(hidden @ weight.T)[labels])``, float32 scalar.
+
+    hidden: (N, H) final hidden states of the positions that are trained; weight: (V, H); labels: (N,). The
+    (N, V) logits exist ``chunk_size`` rows at a time and their gradient is formed right there: sft's loss
+    without the full-vocabulary logits or a recompute.
+    """
+    return _LinearNLLSum.apply(hidden, weight, labels, chunk_size)
+
+
 def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 4096) -> torch.Tensor:
     """Per-token entropy of the categorical distribution given by ``logits`` (B, T, V) -> (B, T)."""
     flat = logits.reshape(-1, logits.shape[-1])

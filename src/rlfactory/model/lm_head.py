@@ -4,8 +4,8 @@ positions only (``algos.common.linear_token_logprobs``).
 The call still goes through the outer model (DDP, PEFT, a compiled layer stack), but asks for one position of
 logits (``logits_to_keep=1``) and takes the decoder's last hidden state from a forward hook. dpo, kto, orpo
 and the reference pass use it; a model without a decoder/head split (or a head with a bias) falls back to
-its full logits. sft does not: its loss is a plain token sum, for which the model's own loss (Liger's fused
-cross-entropy for full fine-tuning) measured faster (docs/BENCHMARKS.md).
+its full logits. sft's loss, a plain token sum, goes the same way through ``nll_sum`` (gradients formed in
+the forward, ``algos.common.linear_nll_sum``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rlfactory.algos.common import linear_token_logprobs, token_logprobs
+from rlfactory.algos.common import linear_nll_sum, linear_token_logprobs, token_logprobs
 
 
 def lm_parts(model: Any) -> tuple[Any, Any] | None:
@@ -26,6 +26,29 @@ def lm_parts(model: Any) -> tuple[Any, Any] | None:
         return None
     head = base.get_output_embeddings()
     return (base.get_decoder(), head) if head is not None and getattr(head, "bias", None) is None else None
+
+
+def _final_hidden(model: Any, decoder: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The decoder's last hidden state (N, T, H), through the outer model, with one position of logits."""
+    captured: list[torch.Tensor] = []
+    handle = decoder.register_forward_hook(lambda _m, _a, out: captured.append(out[0]))
+    try:
+        model(**inputs, use_cache=False, logits_to_keep=1)
+    finally:
+        handle.remove()
+    return captured[-1]
+
+
+def nll_sum(model: Any, inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token NLL of the labelled tokens (``labels`` (N, T), -100 = not trained), float32 scalar."""
+    targets = torch.full_like(labels, -100)
+    targets[:, :-1] = labels[:, 1:]
+    parts = lm_parts(model)
+    if parts is None:  # the model's own loss; ``num_items_in_batch=1`` makes transformers' loss a sum
+        return model(**inputs, labels=labels, num_items_in_batch=1, use_cache=False).loss.float()
+    decoder, head = parts
+    mask = targets != -100
+    return linear_nll_sum(_final_hidden(model, decoder, inputs)[mask], head.weight, targets[mask])
 
 
 def next_token_logps(model: Any, inputs: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
@@ -42,11 +65,5 @@ def next_token_logps(model: Any, inputs: dict[str, torch.Tensor], mask: torch.Te
         logits = model(**inputs, use_cache=False).logits
         return token_logprobs(logits, targets) * mask
     decoder, head = parts
-    captured: list[torch.Tensor] = []
-    handle = decoder.register_forward_hook(lambda _m, _a, out: captured.append(out[0]))
-    try:
-        model(**inputs, use_cache=False, logits_to_keep=1)
-    finally:
-        handle.remove()
-    picked = linear_token_logprobs(captured[-1][mask], head.weight, targets[mask])
+    picked = linear_token_logprobs(_final_hidden(model, decoder, inputs)[mask], head.weight, targets[mask])
     return torch.zeros(mask.shape, dtype=picked.dtype, device=picked.device).masked_scatter(mask, picked)

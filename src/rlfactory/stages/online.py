@@ -52,6 +52,11 @@ def _updater(accelerator: Any, model: Any, lr: float, cfg: RunConfig, updates: i
     # as the offline engine: drop Accelerate's fp32 output wrapper (it would copy (B, T, V) logits to fp32)
     # and autocast the forward passes ourselves
     accelerator.unwrap_model(model, keep_fp32_wrapper=False)
+    if cfg.train.torch_compile:
+        from rlfactory.engine.trainer import compile_layers
+
+        # in place (nn.Module.compile): parameter names, PEFT's adapter switch and the weight sync are unchanged
+        log.info("torch.compile: %d layers", compile_layers(accelerator.unwrap_model(model)))
     return model, ops.Updater(accelerator, model, optimizer, scheduler, cfg.train.max_grad_norm)
 
 

@@ -173,12 +173,15 @@ def _score_passes(run: Run, batch: dict[str, torch.Tensor]) -> dict[str, float]:
     temp = cfg.rollout.temperature
     policy = run.accelerator.unwrap_model(run.policy)
     metrics: dict[str, float] = {}
-    policy_logprobs = lambda rows: ops.policy_forward(policy, batch, rows, temp)[0]
+    policy_logprobs = lambda rows, width: ops.policy_forward(policy, batch, rows, temp, width=width)[0]
     if run.reference is not None:
         with run.timer("ref"):
-            forward = lambda model, b, rows: ops.policy_forward(model, b, rows, temp)[0]
             batch["ref_logprobs"] = ops.full_pass(
-                lambda rows: run.reference.logprobs(forward, batch, rows), batch, micro
+                lambda rows, width: run.reference.logprobs(
+                    lambda model, b, r: ops.policy_forward(model, b, r, temp, width=width)[0], batch, rows
+                ),
+                batch,
+                micro,
             )
     if alg.ppo_epochs * alg.num_mini_batches > 1 or alg.kl_in_reward_coef > 0:
         # pi_old must be kept once the first update moved the policy, and the in-reward KL needs it now;
@@ -187,7 +190,9 @@ def _score_passes(run: Run, batch: dict[str, torch.Tensor]) -> dict[str, float]:
             batch["old_logprobs"] = ops.full_pass(policy_logprobs, batch, micro)
     if run.critic is not None:
         with run.timer("values"):
-            batch["values"] = ops.full_pass(lambda rows: ops.value_forward(run.critic, batch, rows), batch, micro)
+            batch["values"] = ops.full_pass(
+                lambda rows, width: ops.value_forward(run.critic, batch, rows, width), batch, micro
+            )
     with run.timer("adv"):
         kl = None
         if alg.kl_in_reward_coef > 0:

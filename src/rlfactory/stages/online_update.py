@@ -28,9 +28,13 @@ from rlfactory.rollout.batch import response_logits
 Batch = dict[str, torch.Tensor]
 
 
-def _trimmed(batch: Batch, rows: torch.Tensor) -> tuple[dict[str, torch.Tensor], int]:
-    """Model inputs for ``rows`` without the right padding no row of them needs; and their response width."""
-    width_r = max(1, int(batch["response_length"][rows].max()))
+def _trimmed(batch: Batch, rows: torch.Tensor, width: int | None = None) -> tuple[dict[str, torch.Tensor], int]:
+    """Model inputs for ``rows`` without the right padding no row of them needs; and their response width.
+
+    ``width``: the rows' longest response, when the caller knows it from host-side lengths. Reading it from
+    the device here would be a GPU sync per micro-batch, which stops the CPU from queueing the next one.
+    """
+    width_r = max(1, width if width is not None else int(batch["response_length"][rows].max()))
     end = batch["input_ids"].shape[1] - batch["responses"].shape[1] + width_r
     inputs = {k: batch[k][rows, :end] for k in ("input_ids", "attention_mask", "position_ids")}
     return inputs, width_r
@@ -44,13 +48,18 @@ def _to_full_width(values: torch.Tensor, batch: Batch, rows: torch.Tensor) -> to
 
 
 def policy_forward(
-    model: Any, batch: Batch, rows: torch.Tensor, temperature: float = 1.0, entropy: str = "none"
+    model: Any,
+    batch: Batch,
+    rows: torch.Tensor,
+    temperature: float = 1.0,
+    entropy: str = "none",
+    width: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (b, R) of the sampled response tokens under ``model`` at the sampling temperature.
 
     ``entropy``: ``none``, ``metric`` (computed without gradient) or ``loss`` (with gradient).
     """
-    inputs, width_r = _trimmed(batch, rows)
+    inputs, width_r = _trimmed(batch, rows, width)
     # logits only for the positions that predict response tokens: prompt positions are never computed
     logits = model(**inputs, use_cache=False, logits_to_keep=width_r + 1).logits[:, :-1]
     if temperature != 1.0:
@@ -64,9 +73,9 @@ def policy_forward(
     return _to_full_width(logprobs, batch, rows), ent
 
 
-def value_forward(critic: Any, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
+def value_forward(critic: Any, batch: Batch, rows: torch.Tensor, width: int | None = None) -> torch.Tensor:
     """Critic values (b, R): V at the state *before* each response token (the position that predicts it)."""
-    inputs, width_r = _trimmed(batch, rows)
+    inputs, width_r = _trimmed(batch, rows, width)
     return _to_full_width(response_logits(critic(**inputs), width_r), batch, rows)
 
 
@@ -75,10 +84,17 @@ def micro_batches(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def full_pass(fn: Callable[[torch.Tensor], torch.Tensor], batch: Batch, size: int) -> torch.Tensor:
-    """``fn(rows) -> (b, R)`` over the whole batch in micro-batches (no gradient)."""
-    rows = torch.arange(batch["responses"].shape[0], device=batch["responses"].device)
-    return torch.cat([fn(chunk).float() for chunk in micro_batches(rows, size)])
+def full_pass(fn: Callable[[torch.Tensor, int], torch.Tensor], batch: Batch, size: int) -> torch.Tensor:
+    """``fn(rows, width) -> (b, R)`` over the whole batch in micro-batches (no gradient); ``width`` is the
+    micro-batch's longest response, read from the host once for the whole pass."""
+    lengths = batch["response_length"].long().tolist()
+    rows = torch.arange(len(lengths), device=batch["responses"].device)
+    return torch.cat(
+        [
+            fn(chunk, max(lengths[i : i + size])).float()
+            for i, chunk in zip(range(0, len(lengths), size), micro_batches(rows, size), strict=True)
+        ]
+    )
 
 
 def token_rewards(batch: Batch, kl_penalty: torch.Tensor | None, kl_coef: float) -> torch.Tensor:
@@ -122,7 +138,8 @@ def _part(agg: Callable, per_token: torch.Tensor, mini_mask: torch.Tensor, pos: 
 
 
 class Updater:
-    """Runs the mini-batch epochs for one model; ``loss_fn(rows, pos, mini_rows) -> (loss part, metrics)``."""
+    """Runs the mini-batch epochs for one model; ``loss_fn(rows, pos, mini_rows, width) -> (loss part, metrics)``
+    (``width``: the micro-batch's longest response)."""
 
     def __init__(self, accelerator: Any, model: Any, optimizer: Any, scheduler: Any, max_grad_norm: float | None):
         self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
@@ -134,16 +151,27 @@ class Updater:
         # metrics stay device tensors until the end of the step: a float() per micro-batch is a GPU sync that
         # stops the CPU from queueing the next micro-batch's kernels
         sums: dict[str, list[Any]] = defaultdict(list)
-        n = batch["responses"].shape[0]
+        device = batch["responses"].device
+        # row order, lengths and which mini-batches have tokens live on the host: every micro-batch's shape is
+        # known without asking the GPU, so the CPU queues micro-batches back to back (one sync per call)
+        lengths = batch["response_length"].long().cpu()
+        has_tokens = (batch[mask_key].sum(-1) > 0).cpu()
         for _ in range(alg.ppo_epochs):
-            order = torch.randperm(n, device=batch["responses"].device)
-            for mini_rows in torch.tensor_split(order, alg.num_mini_batches):
-                if batch[mask_key][mini_rows].sum() == 0:
+            order = torch.randperm(len(lengths))
+            order_on_device = (order.pin_memory() if device.type == "cuda" else order).to(device, non_blocking=True)
+            for mini_host, mini_rows in zip(
+                torch.tensor_split(order, alg.num_mini_batches),
+                torch.tensor_split(order_on_device, alg.num_mini_batches),
+                strict=True,
+            ):
+                if not bool(has_tokens[mini_host].any()):
                     continue  # nothing to learn from (e.g. every sample truncated and masked)
                 mini: dict[str, Any] = defaultdict(float)
-                for pos in micro_batches(torch.arange(len(mini_rows), device=order.device), micro):
+                for start in range(0, len(mini_host), micro):
+                    pos = torch.arange(start, min(start + micro, len(mini_host)), device=device)
+                    width = int(lengths[mini_host[start : start + micro]].max())
                     with self.accelerator.autocast():
-                        loss, metrics = loss_fn(mini_rows[pos], pos, mini_rows)
+                        loss, metrics = loss_fn(mini_rows[pos], pos, mini_rows, width)
                     self.accelerator.backward(loss)
                     for key, value in metrics.items():
                         mini[key] = mini[key] + (value.detach().float() if torch.is_tensor(value) else value)
@@ -188,9 +216,9 @@ def actor_loss_fn(
     loss_cfg = {k: v for k, v in (("clip_low", alg.clip_low), ("clip_high", alg.clip_high)) if v is not None}
     loss_cfg["clip_c"] = alg.clip_c
 
-    def loss_fn(rows: torch.Tensor, pos: torch.Tensor, mini_rows: torch.Tensor):
+    def loss_fn(rows: torch.Tensor, pos: torch.Tensor, mini_rows: torch.Tensor, width: int | None = None):
         entropy_mode = "loss" if alg.entropy_coef > 0 else "metric"
-        logprobs, entropy = policy_forward(model, batch, rows, temperature, entropy_mode)
+        logprobs, entropy = policy_forward(model, batch, rows, temperature, entropy_mode, width)
         # one update per rollout batch: the old policy IS the current one, so no extra forward was spent
         old = batch["old_logprobs"][rows] if "old_logprobs" in batch else logprobs.detach()
         mask, mini_mask = batch["loss_mask"][rows], batch["loss_mask"][mini_rows]
@@ -225,8 +253,8 @@ def critic_loss_fn(critic: Any, batch: Batch, alg: AlgorithmConfig, max_len: int
 
     agg = LOSS_AGG.get(alg.loss_agg)
 
-    def loss_fn(rows: torch.Tensor, pos: torch.Tensor, mini_rows: torch.Tensor):
-        values = value_forward(critic, batch, rows)
+    def loss_fn(rows: torch.Tensor, pos: torch.Tensor, mini_rows: torch.Tensor, width: int | None = None):
+        values = value_forward(critic, batch, rows, width)
         mask, mini_mask = batch["response_mask"][rows], batch["response_mask"][mini_rows]
         per_token, metrics = value_loss(
             values, batch["values"][rows], batch["returns"][rows], mask, clip_range=alg.value_clip

@@ -86,11 +86,13 @@ def collate_packed(items: list[dict[str, list[int]]]) -> Batch:
 def nll_sum(model: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
     """Summed next-token NLL over labelled tokens (the engine divides by the window's token count).
 
-    The model computes it (``labels`` + ``num_items_in_batch=1`` makes transformers' loss a sum), so a
-    Liger-patched model uses its fused linear cross-entropy and never materialises the logits.
+    The LM head runs on labelled positions only, in chunks, never building the (T, V) logits
+    (``model.lm_head.nll_sum``).
     """
+    from rlfactory.model.lm_head import nll_sum as head_nll_sum
+
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
-    loss_sum = model(**inputs, labels=batch["labels"], num_items_in_batch=1, use_cache=False).loss
+    loss_sum = head_nll_sum(model, inputs, batch["labels"])
     n_tokens = count_tokens(batch).clamp(min=1)
     return loss_sum, {"nll_per_token": loss_sum.detach() / n_tokens}
 
