@@ -7,9 +7,8 @@
 Cases: sft_full, sft_lora (LoRA r=16 all-linear), dpo_lora (sigmoid DPO, beta 0.1, reference = adapter
 disabled, no precomputed reference), rm_full / rm_lora (Bradley-Terry reward model, 1-output score head).
 Impls: ``ours`` (the stage's own loss path through the shared engine), ``ours_compile``
-(``train.torch_compile``), ``ours_compile_noliger`` (compiled, without Liger's layer kernels),
-``ours_torchlp`` (the torch loop instead of Liger's kernel for the chunked LM-head
-log-probs), and TRL:
+(``train.torch_compile``, which leaves Liger's layer kernels out), ``ours_torchlp`` (the torch loop
+instead of Liger's kernel for the chunked LM-head log-probs), and TRL:
 ``trl_wrapped`` / ``trl_bfd`` / ``trl_padded`` / ``trl_wrapped_liger`` (SFT packing variants) or ``trl``
 (DPOTrainer / RewardTrainer; any ``trl*`` name selects them for the dpo and rm cases).
 
@@ -133,8 +132,8 @@ def _ours_parts(args, model, tokenizer, sequences):
             for p in random_pairs(sequences)
         ]
         return model, StageParts(items, preference_data.collate_pairs(0), rm.make_loss(RMConfig()), dpo.count_pairs)
-    if not args.impl.endswith("_noliger"):  # as the model loader does
-        maybe_apply_liger(model, None, "lora" if args.case.endswith("lora") else "full")
+    finetuning = "lora" if args.case.endswith("lora") else "full"  # as the model loader does:
+    maybe_apply_liger(model, None, finetuning, compiled=args.impl.startswith("ours_compile"))
     if args.case.endswith("lora"):
         torch_seed()
         model = apply_lora(model, lora, False)

@@ -138,6 +138,19 @@ def test_linear_nll_sum_matches_cross_entropy_with_gradients_formed_in_forward()
         torch.testing.assert_close(linear_nll_sum(hidden, weight, labels).double(), want, atol=1e-4, rtol=1e-6)
 
 
+def test_the_fusable_chunk_function_gives_the_same_nll_and_logit_gradient():
+    """The function train.torch_compile compiles on CUDA (one kernel per chunk), run eagerly here."""
+    from rlfactory.algos.common import _nll_and_dlogits
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(9, 30, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 30, (9,), generator=g)
+    nll, dlogits = _nll_and_dlogits(logits.detach(), labels[:, None])
+    want = F.cross_entropy(logits, labels, reduction="sum")
+    torch.testing.assert_close(nll.double(), want.detach(), atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(dlogits, torch.autograd.grad(want, logits)[0], atol=1e-6, rtol=1e-6)
+
+
 def test_sft_loss_through_the_chunked_head_equals_the_models_own_loss(tokenizer, model):
     """sft.nll_sum (hooked hidden states + chunked head, labelled positions only) against transformers' own
     summed loss on the full logits, value and LM-head gradient, on a padded batch with masked prompt tokens."""

@@ -5,6 +5,9 @@ Kept in one tested place so SFT, preference and RL stages compute them identical
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
 
@@ -124,13 +127,21 @@ class _LinearNLLSum(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             h, target = h_all[rows], labels[rows, None]
-            logits = (h @ w.T).float()
-            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-            loss += (lse - logits.gather(-1, target)).sum()
-            if need_h or need_w:  # d nll / d logits = softmax(logits) - onehot(label), built in place
+            fused = _fused_chunk(h @ w.T, target) if (need_h or need_w) and COMPILE_HEAD and h.is_cuda else None
+            if fused is not None:
+                loss += fused[0]
+                dlogits = fused[1]
+            else:
+                logits = (h @ w.T).float()
+                lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+                loss += (lse - logits.gather(-1, target)).sum()
+                if not (need_h or need_w):
+                    continue
+                # d nll / d logits = softmax(logits) - onehot(label), built in place
                 dlogits = logits.sub_(lse).exp_()
                 dlogits.scatter_add_(-1, target, torch.full_like(lse, -1.0))
                 dlogits = dlogits.to(dtype)
+            if need_h or need_w:
                 if need_h:
                     grad_h[rows] = (dlogits @ w).to(hidden.dtype)
                 if need_w:
@@ -149,6 +160,36 @@ class _LinearNLLSum(torch.autograd.Function):
             None,
             None,
         )
+
+
+COMPILE_HEAD = False  # set by the engine under train.torch_compile: one fused kernel per chunk on CUDA
+
+
+def _nll_and_dlogits(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed NLL, softmax - onehot in the logits' dtype) of a (n, V) chunk; written to be fused by the compiler
+    (a where() rather than an in-place scatter), so the float32 logits are never stored."""
+    full = logits.float()
+    lse = torch.logsumexp(full, dim=-1, keepdim=True)
+    nll = (lse - full.gather(-1, target)).sum()
+    vocab = torch.arange(full.shape[-1], device=full.device)
+    probs = torch.exp(full - lse)
+    return nll, torch.where(vocab == target, probs - 1.0, probs).to(logits.dtype)
+
+
+@functools.cache
+def _compiled_nll_and_dlogits():
+    return torch.compile(_nll_and_dlogits, dynamic=True)
+
+
+def _fused_chunk(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The compiled chunk function, or None (and the eager path from then on) if this machine cannot compile."""
+    global COMPILE_HEAD
+    try:
+        return _compiled_nll_and_dlogits()(logits, target)
+    except Exception as exc:  # noqa: BLE001 (a missing compiler/triton must not stop training)
+        logging.getLogger(__name__).warning("LM-head chunk not compiled (%s); eager from here on", exc)
+        COMPILE_HEAD = False
+        return None
 
 
 def linear_nll_sum(

@@ -80,8 +80,14 @@ def resolve_dtype(name: str, finetuning: str = "lora") -> Any:
     return getattr(torch, name)
 
 
-def load_model(cfg: ModelConfig, lora: LoraConfig, freeze: FreezeConfig, trainable: bool = True) -> Any:
-    """The causal LM with adapters merged and the fine-tuning method applied."""
+def load_model(
+    cfg: ModelConfig, lora: LoraConfig, freeze: FreezeConfig, trainable: bool = True, torch_compile: bool = False
+) -> Any:
+    """The causal LM with adapters merged and the fine-tuning method applied.
+
+    ``torch_compile`` (``train.torch_compile``): the layers will be compiled, so ``liger_kernel: auto`` leaves
+    Liger's layer kernels out; compiled, they were slower than the compiler's own fusions (docs/BENCHMARKS.md).
+    """
     from transformers import AutoModelForCausalLM
 
     path = str(cfg.name_or_path)
@@ -98,7 +104,8 @@ def load_model(cfg: ModelConfig, lora: LoraConfig, freeze: FreezeConfig, trainab
     for adapter in cfg.adapter_paths:
         model = merge_adapter(model, adapter)
     if trainable:
-        maybe_apply_liger(model, None if cfg.liger_kernel == "auto" else cfg.liger_kernel == "on", cfg.finetuning)
+        enabled = None if cfg.liger_kernel == "auto" else cfg.liger_kernel == "on"
+        maybe_apply_liger(model, enabled, cfg.finetuning, compiled=torch_compile)
     if not trainable:
         model.requires_grad_(False)
         return model
@@ -117,14 +124,16 @@ def load_model(cfg: ModelConfig, lora: LoraConfig, freeze: FreezeConfig, trainab
     return model
 
 
-def maybe_apply_liger(model: Any, enabled: bool | None, finetuning: str = "full") -> bool:
+def maybe_apply_liger(model: Any, enabled: bool | None, finetuning: str = "full", compiled: bool = False) -> bool:
     """Liger kernels: patch the model instance (TRL's `use_liger_kernel` does the same), and pick the kernel of
     the chunked LM-head log-probs (``model.lm_head``, used by dpo/kto/orpo).
 
     Auto (None): the instance is patched for full/freeze fine-tuning on CUDA when installed. Not for LoRA:
     measured on an H200 (docs/BENCHMARKS.md) Liger made LoRA SFT of a 0.5B model slower, in TRL as well. The
     log-prob kernel is Liger's fused linear cross-entropy on CUDA unless liger_kernel is off (measured +9% on
-    DPO LoRA over the chunked torch loop). Returns whether the instance was patched.
+    DPO LoRA over the chunked torch loop). Nor when the layers will be ``compiled``: torch.compile fuses
+    RMSNorm/SwiGLU/RoPE itself, and with Liger's kernels inside, compiled full SFT was 33% slower (H200).
+    Returns whether the instance was patched.
     """
     import importlib.util
 
@@ -138,7 +147,7 @@ def maybe_apply_liger(model: Any, enabled: bool | None, finetuning: str = "full"
     use_kernel = enabled is not False and installed and torch.cuda.is_available()
     common.LINEAR_LOGPROBS_BACKEND = "liger" if use_kernel else "torch"
     if enabled is None:
-        enabled = installed and torch.cuda.is_available() and finetuning != "lora"
+        enabled = installed and torch.cuda.is_available() and finetuning != "lora" and not compiled
     if not enabled:
         return False
     from liger_kernel.transformers import _apply_liger_kernel_to_instance

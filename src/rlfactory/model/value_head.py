@@ -54,7 +54,7 @@ def load_value_model(cfg: RunConfig) -> ValueModel:
     model_cfg = cfg.model
     if cfg.critic.model_path:
         model_cfg = model_cfg.model_copy(update={"name_or_path": cfg.critic.model_path, "adapter_paths": []})
-    lm = load_model(model_cfg, cfg.lora, cfg.freeze)
+    lm = load_model(model_cfg, cfg.lora, cfg.freeze, torch_compile=cfg.train.torch_compile)
     critic = ValueModel(lm)  # the head stays float32 whatever the trunk's dtype
     log.info("critic: value model on %s", model_cfg.name_or_path)
     return critic

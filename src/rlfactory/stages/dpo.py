@@ -126,7 +126,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     eval_items = preference_data.render_pairs(cfg, tokenizer, eval_examples) if eval_examples else None
     eval_prompts = common.load_eval_prompts(cfg)
 
-    model = load_model(cfg.model, cfg.lora, cfg.freeze)
+    model = load_model(cfg.model, cfg.lora, cfg.freeze, torch_compile=cfg.train.torch_compile)
     item_sets = [train_items] + ([eval_items] if eval_items else [])
     ref = setup_reference(cfg, model, traits, item_sets, tokenizer.pad_token_id)
     common.start_output_dir(cfg, resume_from)

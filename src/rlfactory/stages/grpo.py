@@ -48,7 +48,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     prompts = render_prompts(cfg, tokenizer, prompts)
     eval_prompts = render_prompts(cfg, tokenizer, eval_prompts) if eval_prompts else []
 
-    policy = load_model(cfg.model, cfg.lora, cfg.freeze)
+    policy = load_model(cfg.model, cfg.lora, cfg.freeze, torch_compile=cfg.train.torch_compile)
     common.start_output_dir(cfg, resume_from)
 
     result, extra = train(cfg, policy, tokenizer, prompts, eval_prompts, resume_from=resume_from)

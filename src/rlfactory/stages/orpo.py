@@ -60,7 +60,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     eval_items = preference_data.render_pairs(cfg, tokenizer, eval_examples) if eval_examples else None
     eval_prompts = common.load_eval_prompts(cfg)
 
-    model = load_model(cfg.model, cfg.lora, cfg.freeze)
+    model = load_model(cfg.model, cfg.lora, cfg.freeze, torch_compile=cfg.train.torch_compile)
     common.start_output_dir(cfg, resume_from)
     before = preference_data.generation_before(cfg, model, tokenizer, eval_prompts, resume_from is not None)
 

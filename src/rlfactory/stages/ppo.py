@@ -40,7 +40,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     prompts = render_prompts(cfg, tokenizer, prompts)
     eval_prompts = render_prompts(cfg, tokenizer, eval_prompts) if eval_prompts else []
 
-    policy = load_model(cfg.model, cfg.lora, cfg.freeze)
+    policy = load_model(cfg.model, cfg.lora, cfg.freeze, torch_compile=cfg.train.torch_compile)
     critic = load_value_model(cfg)
     common.start_output_dir(cfg, resume_from)
 

@@ -118,7 +118,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     eval_items = render_examples(cfg, tokenizer, eval_examples) if eval_examples else None
     eval_prompts = common.load_eval_prompts(cfg)
 
-    model = load_model(cfg.model, cfg.lora, cfg.freeze)
+    model = load_model(cfg.model, cfg.lora, cfg.freeze, torch_compile=cfg.train.torch_compile)
     common.start_output_dir(cfg, resume_from)
 
     scores: dict[str, Any] = {}
