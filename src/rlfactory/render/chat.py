@@ -35,6 +35,29 @@ def end_of_turn(tokenizer: Any) -> str:
     return getattr(tokenizer, "end_of_turn", None) or tokenizer.eos_token
 
 
+HARMONY_STOPS = ("<|return|>", "<|call|>")  # GPT-OSS: a turn ends with its answer or with a tool call
+
+
+def stop_strings(tokenizer: Any) -> list[str]:
+    """Every string that ends an assistant turn: generation stops on any of them. One for most templates; the
+    harmony format (GPT-OSS) has two, ``<|return|>`` after an answer and ``<|call|>`` after a tool call."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    vocab = tokenizer.get_vocab() if isinstance(template, str) and "<|call|>" in template else {}
+    if all(stop in vocab for stop in HARMONY_STOPS):
+        return list(HARMONY_STOPS)
+    return [end_of_turn(tokenizer)]
+
+
+def stop_ids(tokenizer: Any) -> list[int]:
+    return [tokenizer.convert_tokens_to_ids(stop) for stop in stop_strings(tokenizer)]
+
+
+def first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """(position, string) of the earliest stop string in ``text``, or None."""
+    found = [(text.find(stop), stop) for stop in stops if stop in text]
+    return min(found) if found else None
+
+
 def _encode(tokenizer: Any, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False) if text else []
 
@@ -49,7 +72,7 @@ def _not_prefix(i: int, what: str) -> UserError:
 
 def _turn_segments(tokenizer: Any, messages: list[dict], tools: list | None) -> tuple[list[Segment], str]:
     """Segments up to the end of the last assistant turn, and the rendered text they cover."""
-    stop = end_of_turn(tokenizer)
+    stops = stop_strings(tokenizer)
     segments: list[Segment] = []
     done = ""  # rendered text already assigned to segments
     for i, message in enumerate(messages):
@@ -62,13 +85,13 @@ def _turn_segments(tokenizer: Any, messages: list[dict], tools: list | None) -> 
         if not full.startswith(prefix):
             raise _not_prefix(i, "this assistant turn does not extend its own prompt")
         body = full[len(prefix) :]
-        cut = body.find(stop)
-        if cut < 0:
+        found = first_stop(body, stops)
+        if found is None:
             raise UserError(
-                f"the chat template does not end assistant turns with '{stop}' (message {i}); "
+                f"the chat template does not end assistant turns with '{' or '.join(stops)}' (message {i}); "
                 "set `model.template` or fix the tokenizer's eos_token"
             )
-        generated = body[: cut + len(stop)]
+        generated = body[: found[0] + len(found[1])]
         segments.append(Segment(_encode(tokenizer, prefix[len(done) :]), False, i - 1))
         segments.append(Segment(_encode(tokenizer, generated), True, i))
         done = prefix + generated

@@ -11,10 +11,11 @@ equals the training render of the same conversation (tested token-exact).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from rlfactory.errors import UserError
-from rlfactory.render.chat import _apply, _encode, end_of_turn
+from rlfactory.render.chat import _apply, _encode, stop_strings
 
 SENTINEL = "\u2063OBS{}\u2063"  # invisible separator: no template transforms it, no real content holds it
 
@@ -35,8 +36,9 @@ class ObservationGlue:
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
-        self.stop = end_of_turn(tokenizer)
+        self.stops = stop_strings(tokenizer)
         self._pieces: dict[tuple, list[str]] = {}
+        self._quoted: dict[tuple, list[bool]] = {}
 
     def _shape(self, observation: list[dict[str, Any]]) -> tuple:
         return tuple((m["role"], m.get("name"), m.get("tool_call_id")) for m in observation)
@@ -48,13 +50,14 @@ class ObservationGlue:
             skeleton = _skeleton(observation)
             before = _apply(self.tokenizer, skeleton[:2], None, generation_prompt=False)
             full = _apply(self.tokenizer, skeleton, None, generation_prompt=True)
-            cut = before.rfind(self.stop)
-            if cut < 0 or not full.startswith(before[: cut + len(self.stop)]):
+            # the assistant turn's own end (harmony: <|call|> after a call), the last stop string in the render
+            cut, stop = max((before.rfind(s), s) for s in self.stops)
+            if cut < 0 or not full.startswith(before[: cut + len(stop)]):
                 raise UserError(
                     "the chat template is not prefix-stable after an assistant turn (adding a tool result or user "
                     "message changes how the turn looks), so rollout tokens cannot be spliced; set `model.template`"
                 )
-            tail = full[cut + len(self.stop) :]
+            tail = full[cut + len(stop) :]
             pieces = []
             for i in range(len(observation)):
                 head, sep, tail = tail.partition(SENTINEL.format(i))
@@ -62,11 +65,20 @@ class ObservationGlue:
                     raise UserError(f"the chat template drops the content of a '{observation[i]['role']}' message")
                 pieces.append(head)
             self._pieces[shape] = [*pieces, tail]
+            # a template that writes contents as JSON strings (GPT-OSS: ``content | tojson``) put the sentinel
+            # between quotes: fill those contents JSON-escaped, as the template would render them
+            quote = [a.endswith('"') and b.startswith('"') for a, b in zip(pieces, [*pieces[1:], tail], strict=True)]
+            self._quoted[shape] = quote
         return self._pieces[shape]
 
     def text(self, observation: list[dict[str, Any]]) -> str:
         pieces = self.pieces(observation)
-        return "".join(p + m["content"] for p, m in zip(pieces, observation, strict=False)) + pieces[-1]
+        quoted = self._quoted[self._shape(observation)]
+        fill = [
+            json.dumps(m["content"], ensure_ascii=False)[1:-1] if q else m["content"]
+            for m, q in zip(observation, quoted, strict=True)
+        ]
+        return "".join(p + c for p, c in zip(pieces, fill, strict=False)) + pieces[-1]
 
     def ids(self, observation: list[dict[str, Any]]) -> list[int]:
         return _encode(self.tokenizer, self.text(observation))

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlfactory.envs.base import Env, StepResult
-from rlfactory.render.chat import end_of_turn
+from rlfactory.render.chat import stop_strings
 from rlfactory.render.glue import ObservationGlue
 from rlfactory.rollout.base import Completion, SamplingParams
 from rlfactory.tools.parsers import TOOL_PARSERS, ParsedTurn, ToolCall, validate_calls
@@ -80,7 +80,7 @@ class AgentLoop:
         self.settings, self.env_factory = settings, env_factory
         self.parse = TOOL_PARSERS.get(settings.parser)
         self.glue = ObservationGlue(tokenizer)
-        self.stop = end_of_turn(tokenizer)
+        self.stops = stop_strings(tokenizer)  # harmony (GPT-OSS): <|return|> ends an answer, <|call|> a call
 
     def run(self, examples: list[dict[str, Any]], params: SamplingParams) -> list[AgentResult]:
         """One conversation per example (repeat an example for several samples); ``params.max_tokens`` is the
@@ -121,7 +121,8 @@ class AgentLoop:
 
     def _parse_turn(self, conv: Conversation, ids: list[int], reason: str) -> None:
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
-        body = text[: -len(self.stop)] if reason == "stop" and text.endswith(self.stop) else text
+        stop = next((s for s in self.stops if text.endswith(s)), None) if reason == "stop" else None
+        body = text[: -len(stop)] if stop else text
         parsed: ParsedTurn = self.parse(body)
         validate_calls(parsed.calls, self.tools)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
@@ -129,7 +130,9 @@ class AgentLoop:
             message["tool_calls"] = [c.as_message_call() for c in parsed.calls if c.valid]
         conv.messages.append(message)
         conv.pending = parsed.calls
-        conv.final_text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        # what outcome rewards read: the turn's text as its parser reads it, outside any calls and without format
+        # markup (harmony: the final channel's message), so an answer inside a broken call earns nothing
+        conv.final_text = parsed.content
         conv.turns.append(
             {
                 "assistant": body,

@@ -36,11 +36,11 @@ class HFBackend:
     syncs_weights = False
 
     def __init__(self, model: Any, tokenizer: Any, batch_size: int = 64):
-        from rlfactory.render.chat import end_of_turn
+        from rlfactory.render.chat import stop_ids
 
         self.model = model
         self.batch_size = batch_size
-        self.stop_id = tokenizer.convert_tokens_to_ids(end_of_turn(tokenizer))
+        self.stop_ids = stop_ids(tokenizer)  # any of them ends a turn (harmony: <|return|> or <|call|>)
         self.pad_id = tokenizer.pad_token_id
 
     def sync_weights(self, model: Any) -> None:
@@ -65,15 +65,17 @@ class HFBackend:
                 input_ids=input_ids,
                 attention_mask=attention,
                 max_new_tokens=params.max_tokens,
-                eos_token_id=self.stop_id,
+                eos_token_id=self.stop_ids,
                 pad_token_id=self.pad_id,
                 repetition_penalty=1.0,
                 use_cache=True,
                 **_sampling_kwargs(params),
             )
+            stops = set(self.stop_ids)
             for row in out[:, width:].tolist():
-                if self.stop_id in row:
-                    completions.append(Completion(row[: row.index(self.stop_id) + 1], "stop"))
+                end = next((i for i, token in enumerate(row) if token in stops), None)
+                if end is not None:
+                    completions.append(Completion(row[: end + 1], "stop"))
                 else:
                     completions.append(Completion(row[: params.max_tokens], "length"))
         self.model.train(was_training)

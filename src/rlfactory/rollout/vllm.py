@@ -94,7 +94,7 @@ def engine_kwargs(cfg: RunConfig, model: Any, mode: str, on_cpu: bool) -> dict[s
     return kwargs
 
 
-def vllm_sampling(vllm: Any, params: SamplingParams, n: int, stop_id: int) -> Any:
+def vllm_sampling(vllm: Any, params: SamplingParams, n: int, stop_ids: list[int]) -> Any:
     """Our sampling settings as vLLM's, returning the sampled token's log-prob (logprobs=0)."""
     greedy = params.temperature <= 0
     # plain float lists, not a dict + Logprob object per token (vLLM's per-step CPU time), where vLLM has them
@@ -106,8 +106,8 @@ def vllm_sampling(vllm: Any, params: SamplingParams, n: int, stop_id: int) -> An
         top_k=0 if greedy or params.top_k == 0 else params.top_k,
         min_p=0.0 if greedy else params.min_p,
         max_tokens=params.max_tokens,
-        stop_token_ids=None if params.ignore_eos else [stop_id],
-        ignore_eos=True,  # only the end-of-turn token stops a sample (as the hf backend)
+        stop_token_ids=None if params.ignore_eos else list(stop_ids),
+        ignore_eos=True,  # only the end-of-turn token(s) stop a sample (as the hf backend)
         logprobs=0,
         detokenize=False,
         **flat,
@@ -173,7 +173,7 @@ class VLLMBackend:
     syncs_weights = True
 
     def __init__(self, cfg: RunConfig, model: Any, tokenizer: Any):
-        from rlfactory.render.chat import end_of_turn
+        from rlfactory.render.chat import stop_ids
 
         self.vllm = import_vllm()
         from vllm.platforms import current_platform
@@ -197,7 +197,7 @@ class VLLMBackend:
                 f"{str(exc).splitlines()[0] if str(exc) else ''}; check rollout.gpu_memory_utilization / "
                 "tensor_parallel_size, or set rollout.backend: hf"
             ) from exc
-        self.stop_id = tokenizer.convert_tokens_to_ids(end_of_turn(tokenizer))
+        self.stop_ids = stop_ids(tokenizer)
         self.lora: Any = None  # the LoRARequest of the current adapter (adapter mode)
         self.version = 0
         self.asleep: set[str] = set()
@@ -216,7 +216,7 @@ class VLLMBackend:
         self._wake(None)
         runs = runs_of_prompts(prompts)
         requests = [self.vllm.TokensPrompt(prompt_token_ids=p) for p, _ in runs]
-        sampling = [vllm_sampling(self.vllm, params, n, self.stop_id) for _, n in runs]
+        sampling = [vllm_sampling(self.vllm, params, n, self.stop_ids) for _, n in runs]
         outputs = self.llm.generate(requests, sampling, lora_request=self.lora, use_tqdm=False)
         completions = [to_completion(o) for out in outputs for o in sorted(out.outputs, key=lambda o: o.index)]
         self._sleep()

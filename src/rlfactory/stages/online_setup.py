@@ -58,19 +58,10 @@ def check_columns(examples: list[dict[str, Any]], needs_answer: list[str], datas
 
 def check_backend(cfg: RunConfig) -> None:
     """What this environment's rollout cannot do, said before any model loads: ``rollout.backend: vllm`` without
-    the vllm package (not imported here); the harmony format's two stop tokens."""
+    the vllm package (not imported here)."""
     import importlib.util
 
     assert cfg.rollout is not None
-    if cfg.agent is not None and cfg.agent.parser == "harmony" and (cfg.tools or cfg.agent.env):
-        # a harmony turn ends with <|call|> (a tool call) or <|return|> (the answer); the backends and the agent
-        # loop stop on one end-of-turn token, so a call would run on past <|call|> instead of being executed
-        raise UserError(
-            "agent.parser: harmony (GPT-OSS) needs rollouts that stop on two tokens (<|call|> and <|return|>); "
-            "the rollout backends stop on one end-of-turn token for now, so multi-turn tool calls would not run. "
-            "Use a model whose tool calls end its turn (hermes or json parser), or train GPT-OSS on tool-calling "
-            "data offline (sft/dpo)"
-        )
     if cfg.rollout.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise UserError(
             "rollout.backend: vllm needs the vllm package, which is not installed in this environment: "
@@ -115,9 +106,17 @@ def load_prompt_sets(cfg: RunConfig) -> tuple[list[dict], list[dict], list[Any]]
 
 def render_prompts(cfg: RunConfig, tokenizer: Any, examples: list[dict]) -> list[dict]:
     """Attach ``prompt_ids`` (the one rendering path); drop prompts longer than rollout.max_prompt_len."""
-    from rlfactory.render.chat import render_prompt
+    from rlfactory.render.chat import HARMONY_STOPS, render_prompt, stop_strings
+    from rlfactory.stages import online_agent
 
     assert cfg.rollout is not None
+    harmony_parser = cfg.agent is not None and cfg.agent.parser == "harmony"
+    if harmony_parser != (stop_strings(tokenizer) == list(HARMONY_STOPS)) and online_agent.enabled(cfg):
+        raise UserError(
+            f"agent.parser: {cfg.agent.parser if cfg.agent else 'hermes'} does not fit the chat template of "
+            f"'{cfg.model.name_or_path}', whose assistant turns end with {' or '.join(stop_strings(tokenizer))}: "
+            "use agent.parser: harmony exactly for GPT-OSS's harmony format (turns ending <|call|> or <|return|>)"
+        )
     kept = []
     for example in examples:
         ids = render_prompt(tokenizer, example["messages"], example.get("tools"))
