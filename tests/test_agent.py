@@ -209,6 +209,26 @@ def test_agent_rewards_read_the_episode(tokenizer, calc):
     assert REWARD_FUNCTIONS.get("tool_safety")("", "", None, example, forbidden_tools=["calculator"]) == -3.0
 
 
+def test_an_answer_inside_a_broken_call_is_not_the_final_answer(tokenizer, calc):
+    """Outcome rewards read the last turn's text outside its calls: an episode that ends inside an unclosed (or
+    budget-cut) call has given no answer, even when "The answer is 40" is written in the call."""
+    from rlfactory.rewards.builtin import REWARD_FUNCTIONS
+
+    match = REWARD_FUNCTIONS.get("answer_match")
+    broken = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "38 + 2 = 40. The answer is 40.'
+    backend = ScriptedBackend(tokenizer, {"Q": [broken]})
+    [res] = _loop(tokenizer, backend, calc, max_turns=1).run([_example(tokenizer, "Q")], SamplingParams(400))
+    assert res.finish == "max_turns" and res.turns[0]["calls"][0]["error_kind"] == "malformed"
+    assert res.final_text == "" and match("", res.final_text, "40", {}) == 0.0
+    cut = len(tokenizer.encode(broken, add_special_tokens=False))  # the budget ends right after the answer
+    [res] = _loop(tokenizer, backend, calc).run([_example(tokenizer, "Q")], SamplingParams(cut))
+    assert res.finish == "length" and res.turns[0]["finish_reason"] == "length" and res.final_text == ""
+    # text before the call is the message content, and is read
+    backend = ScriptedBackend(tokenizer, {"Q": ["The answer is 40.\n" + broken]})
+    [res] = _loop(tokenizer, backend, calc, max_turns=1).run([_example(tokenizer, "Q")], SamplingParams(400))
+    assert res.final_text == "The answer is 40." and match("", res.final_text, "40", {}) == 1.0
+
+
 def test_real_model_rollouts_are_token_in_token_out(tokenizer, calc):
     """The tiny model through the HF backend: sampled turns and spliced tool results; every conversation whose
     calls were all valid renders back to exactly the rollout's tokens."""

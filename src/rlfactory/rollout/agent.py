@@ -54,7 +54,7 @@ class Conversation:
 @dataclass
 class AgentResult:
     completion: Completion  # the whole response: ids, per-token mask and log-probs, finish_reason
-    final_text: str  # the last assistant turn (what outcome rewards read)
+    final_text: str  # the last assistant turn without its tool calls (what outcome rewards read)
     turns: list[dict[str, Any]]  # per turn: text, content, calls (with results), observation, reward parts
     messages: list[dict[str, Any]]  # prompt + generated conversation (renders to the same tokens)
     finish: str
@@ -129,11 +129,14 @@ class AgentLoop:
             message["tool_calls"] = [c.as_message_call() for c in parsed.calls if c.valid]
         conv.messages.append(message)
         conv.pending = parsed.calls
-        conv.final_text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        # what outcome rewards read: the answer text. A turn with calls answers only with its text outside the
+        # calls, so an answer written inside a broken (unclosed, truncated) call earns nothing
+        conv.final_text = parsed.content if parsed.calls else self.tokenizer.decode(ids, skip_special_tokens=True)
         conv.turns.append(
             {
                 "assistant": body,
                 "tokens": len(ids),
+                "finish_reason": reason,  # length: the turn was cut by the response budget
                 "calls": [
                     {"name": c.name, "arguments": c.arguments, "error": c.error, "error_kind": c.error_kind}
                     for c in parsed.calls
