@@ -209,6 +209,26 @@ def test_agent_rewards_read_the_episode(tokenizer, calc):
     assert REWARD_FUNCTIONS.get("tool_safety")("", "", None, example, forbidden_tools=["calculator"]) == -3.0
 
 
+def test_an_answer_inside_a_broken_call_is_not_the_final_answer(tokenizer, calc):
+    """Outcome rewards read the last turn's text outside its calls: an episode that ends inside an unclosed (or
+    budget-cut) call has given no answer, even when "The answer is 40" is written in the call."""
+    from rlfactory.rewards.builtin import REWARD_FUNCTIONS
+
+    match = REWARD_FUNCTIONS.get("answer_match")
+    broken = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "38 + 2 = 40. The answer is 40.'
+    backend = ScriptedBackend(tokenizer, {"Q": [broken]})
+    [res] = _loop(tokenizer, backend, calc, max_turns=1).run([_example(tokenizer, "Q")], SamplingParams(400))
+    assert res.finish == "max_turns" and res.turns[0]["calls"][0]["error_kind"] == "malformed"
+    assert res.final_text == "" and match("", res.final_text, "40", {}) == 0.0
+    cut = len(tokenizer.encode(broken, add_special_tokens=False))  # the budget ends right after the answer
+    [res] = _loop(tokenizer, backend, calc).run([_example(tokenizer, "Q")], SamplingParams(cut))
+    assert res.finish == "length" and res.turns[0]["finish_reason"] == "length" and res.final_text == ""
+    # text before the call is the message content, and is read
+    backend = ScriptedBackend(tokenizer, {"Q": ["The answer is 40.\n" + broken]})
+    [res] = _loop(tokenizer, backend, calc, max_turns=1).run([_example(tokenizer, "Q")], SamplingParams(400))
+    assert res.final_text == "The answer is 40." and match("", res.final_text, "40", {}) == 1.0
+
+
 def test_real_model_rollouts_are_token_in_token_out(tokenizer, calc):
     """The tiny model through the HF backend: sampled turns and spliced tool results; every conversation whose
     calls were all valid renders back to exactly the rollout's tokens."""
@@ -306,3 +326,32 @@ def test_glue_and_agent_tokens_match_the_training_render_for_named_templates(tok
     n_prompt = len(example["prompt_ids"])
     assert [t for s in segments for t in s.ids][n_prompt:] == res.completion.token_ids
     assert [int(s.trainable) for s in segments for _ in s.ids][n_prompt:] == res.completion.mask
+
+
+def test_tool_call_eval_counts_invalid_calls_by_kind(tokenizer, calc):
+    """scripts/tool_call_eval.py on scripted episodes: per call, per conversation and by kind, hand-counted."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "tool_call_eval.py"
+    spec = importlib.util.spec_from_file_location("tool_call_eval", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cut = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "38 + 2 and on and on and on'
+    scripts = {
+        "Q1": [_call("38 + 2"), "The answer is 40."],  # valid
+        "Q2": ['<tool_call>\n{"name": "calculator"\n</tool_call>', _call("1 + 1 = 2"), "The answer is 2."],
+        "Q3": [_call("2") + '<tool_call>\n{"name": "calc"}', "The answer is 2."],  # valid + unclosed
+        "Q4": [cut, "The answer is 40."],  # run again below with a budget that cuts it inside the call
+    }
+    loop = _loop(tokenizer, ScriptedBackend(tokenizer, scripts), calc)
+    budget = len(tokenizer.encode(cut, add_special_tokens=False)) - 3
+    results = loop.run([_example(tokenizer, q) for q in scripts], SamplingParams(400))
+    results[3:] = loop.run([_example(tokenizer, "Q4")], SamplingParams(budget))
+    out = module.summarize([r.summary() for r in results], [1.0, 1.0, 0.0, 0.0])
+    # 6 calls in 4 conversations: Q1 valid; Q2 bad JSON then a valid call whose tool raised (not invalid);
+    # Q3 valid + unclosed; Q4 truncated
+    assert out["invalid"] == {"truncated": 1, "unclosed": 1, "bad_json": 1, "bad_shape": 0, "unknown_tool": 0,
+                              "bad_arguments": 0}  # fmt: skip
+    assert (out["calls_per_conv"], out["invalid_per_call"], out["invalid_per_conv"]) == (1.5, 0.5, 0.75)
+    assert out["convs_with_invalid"] == 0.75 and out["success"] == 0.5

@@ -54,7 +54,7 @@ class Conversation:
 @dataclass
 class AgentResult:
     completion: Completion  # the whole response: ids, per-token mask and log-probs, finish_reason
-    final_text: str  # the last assistant turn (what outcome rewards read)
+    final_text: str  # the last assistant turn without its tool calls (what outcome rewards read)
     turns: list[dict[str, Any]]  # per turn: text, content, calls (with results), observation, reward parts
     messages: list[dict[str, Any]]  # prompt + generated conversation (renders to the same tokens)
     finish: str
@@ -137,6 +137,7 @@ class AgentLoop:
             {
                 "assistant": body,
                 "tokens": len(ids),
+                "finish_reason": reason,  # length: the turn was cut by the response budget
                 "calls": [
                     {"name": c.name, "arguments": c.arguments, "error": c.error, "error_kind": c.error_kind}
                     for c in parsed.calls
