@@ -174,13 +174,18 @@ def fill_quickstart(page, output_dir: str, max_steps: int) -> None:
     load_yaml(page, QUICKSTART)
     set_field(page, "model.name_or_path", TINY_MODEL)
     set_field(page, "output_dir", output_dir)
-    for section, values in {
+    sections = {
         "data": {"data.max_samples": 64},
         "train": {"train.max_steps": max_steps},
         "logging": {"logging.logging_steps": 1},
         "evaluation": {"evaluation.max_samples": 4, "evaluation.max_new_tokens": 16},
-    }.items():
+    }
+    for section, values in sections.items():
         open_section(page, section)
+        for path, value in values.items():
+            set_field(page, path, value)
+    # a slow machine can apply the loaded YAML's form update after a field was set: check every field again
+    for values in sections.values():
         for path, value in values.items():
             set_field(page, path, value)
 
