@@ -106,6 +106,21 @@ def test_killed_run_resumes_from_checkpoint(sft_config: dict, tmp_path: Path):
     assert summary["global_step"] == 8
 
 
+def test_rotation_removes_partial_checkpoints_a_kill_left_behind(tmp_path: Path):
+    """A run killed while rotating leaves checkpoint-2 half deleted (no trainer_state.json): the next rotation
+    removes it with the complete ones it drops; a newer partial folder (a save in progress) stays."""
+    from rlfactory.engine.run_dir import list_checkpoints, rotate_checkpoints
+
+    for step in (2, 4, 6, 8):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        if step != 2 and step != 8:
+            (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    (tmp_path / "checkpoint-2" / "optimizer.bin").write_text("partial")
+    rotate_checkpoints(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6", "checkpoint-8"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-4", "checkpoint-6"]
+
+
 def test_compile_layers_finds_the_decoder_stack_under_peft():
     """train.torch_compile compiles each decoder layer (lazily: nothing runs here), also inside a PEFT wrapper."""
     from transformers import AutoModelForCausalLM

@@ -67,10 +67,27 @@ def prepare_output_dir(output_dir: str, overwrite: bool, resume_from: Path | Non
 
 
 def rotate_checkpoints(output_dir: str | Path, keep: int | None) -> None:
+    """Keep the newest ``keep`` complete checkpoints. Also removes any checkpoint folder older than the oldest
+    kept one, complete or not: a run killed while deleting (or writing) a checkpoint leaves a partial folder
+    that ``list_checkpoints`` no longer sees, and it would stay forever."""
     if keep is None:
         return
-    for old in list_checkpoints(output_dir)[:-keep]:
+    complete = list_checkpoints(output_dir)
+    for old in complete[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+    kept = complete[-keep:]
+    if not kept:
+        return
+    oldest_kept = _step_of(kept[0])
+    for path in Path(output_dir).glob(f"{CHECKPOINT_PREFIX}*"):
+        step = _step_of(path)
+        if step is not None and step < oldest_kept:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _step_of(path: Path) -> int | None:
+    match = re.fullmatch(rf"{CHECKPOINT_PREFIX}(\d+)", path.name)
+    return int(match.group(1)) if match else None
 
 
 def read_log(output_dir: str | Path) -> list[dict[str, Any]]:
