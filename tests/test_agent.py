@@ -79,6 +79,21 @@ def calc():
     return load_tools([ToolSpec(function="calculator")])
 
 
+def training_render(tokenizer, res, example) -> tuple[list[int], list[int]]:
+    """(ids, mask) of the conversation the loop built, rendered for training (render/chat.py); prompt included."""
+    segments = [s for s in render_segments(tokenizer, res.messages, example["tools"]) if s.message_index >= 0]
+    return [t for s in segments for t in s.ids], [int(s.trainable) for s in segments for _ in s.ids]
+
+
+def assert_rollout_equals_training_render(tokenizer, res, example) -> None:
+    """The rollout's prompt + response ids and mask equal the training render of the same conversation."""
+    ids, mask = training_render(tokenizer, res, example)
+    n_prompt = len(example["prompt_ids"])
+    assert ids[:n_prompt] == example["prompt_ids"]
+    assert ids[n_prompt:] == res.completion.token_ids
+    assert mask[n_prompt:] == res.completion.mask
+
+
 THREE_TURNS = [
     "Let me add first.\n" + _call("12 + 7"),
     _call("19 * 2") + "\n" + _call("38 + 2"),  # two calls in one turn
@@ -93,13 +108,7 @@ def test_three_turn_masks_are_token_exact_and_equal_the_training_render(tokenize
     assert res.finish == "answer" and len(res.turns) == 3
     assert [c["result"] for t in res.turns for c in t["calls"]] == ["19", "38", "40"]
     # the conversation the loop built, rendered for training (render/chat.py), gives the same tokens and masks
-    segments = [s for s in render_segments(tokenizer, res.messages, example["tools"]) if s.message_index >= 0]
-    ids = [t for s in segments for t in s.ids]
-    mask = [int(s.trainable) for s in segments for _ in s.ids]
-    n_prompt = len(example["prompt_ids"])
-    assert ids[:n_prompt] == example["prompt_ids"]
-    assert ids[n_prompt:] == res.completion.token_ids
-    assert mask[n_prompt:] == res.completion.mask
+    assert_rollout_equals_training_render(tokenizer, res, example)
     # mask 1 is exactly the three sampled turns, each ending with the end-of-turn token
     spans, current = [], []
     for token, m in zip(res.completion.token_ids, res.completion.mask, strict=True):
@@ -250,9 +259,7 @@ def test_real_model_rollouts_are_token_in_token_out(tokenizer, calc):
         assert len(completion.token_ids) == len(completion.mask) <= 120 and completion.mask[-1] == 1
         assert completion.logprobs is None  # HF generate gives no sampler log-probs
         if res.finish == "answer" and all(c["error_kind"] is None for t in res.turns for c in t["calls"]):
-            segs = [s for s in render_segments(tokenizer, res.messages, example["tools"]) if s.message_index >= 0]
-            rendered = [t for s in segs for t in s.ids]
-            checked += rendered == example["prompt_ids"] + completion.token_ids
+            checked += training_render(tokenizer, res, example)[0] == example["prompt_ids"] + completion.token_ids
     assert any(len(r.turns) > 1 for r in results)  # the model does call the calculator
     assert checked >= 1  # seeded: at least one clean multi-turn conversation to compare
 
@@ -322,10 +329,7 @@ def test_glue_and_agent_tokens_match_the_training_render_for_named_templates(tok
     settings = AgentSettings(4, "json" if name == "llama3" else "hermes")
     [res] = AgentLoop(backend, tok, calc, settings, factory).run([example], SamplingParams(400))
     assert res.finish == "answer" and len(res.turns) == 2 and res.turns[0]["calls"][0]["result"] == "19"
-    segments = [s for s in render_segments(tok, res.messages, example["tools"]) if s.message_index >= 0]
-    n_prompt = len(example["prompt_ids"])
-    assert [t for s in segments for t in s.ids][n_prompt:] == res.completion.token_ids
-    assert [int(s.trainable) for s in segments for _ in s.ids][n_prompt:] == res.completion.mask
+    assert_rollout_equals_training_render(tok, res, example)
 
 
 def test_tool_call_eval_counts_invalid_calls_by_kind(tokenizer, calc):

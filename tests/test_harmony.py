@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from tests.conftest import DATA_DIR, TINY_MODEL, run_cli, write_yaml
-from tests.test_agent import ScriptedBackend
+from tests.test_agent import ScriptedBackend, assert_rollout_equals_training_render
 
 from rlfactory.config.schema import ModelConfig, ToolSpec
 from rlfactory.envs.base import build_env_factory
@@ -113,13 +113,7 @@ def test_agent_loop_stops_on_call_runs_the_tool_and_equals_the_training_render(h
     assert harmony.decode(spliced) == (
         '<|start|>functions.calculator to=assistant<|channel|>commentary<|message|>"19"<|end|><|start|>assistant'
     )
-    segments = [s for s in render_segments(harmony, res.messages, example["tools"]) if s.message_index >= 0]
-    ids = [t for s in segments for t in s.ids]
-    mask = [int(s.trainable) for s in segments for _ in s.ids]
-    n_prompt = len(example["prompt_ids"])
-    assert ids[:n_prompt] == example["prompt_ids"]
-    assert ids[n_prompt:] == res.completion.token_ids
-    assert mask[n_prompt:] == res.completion.mask
+    assert_rollout_equals_training_render(harmony, res, example)
 
 
 def test_glue_json_escapes_contents_the_template_writes_as_json(harmony):
