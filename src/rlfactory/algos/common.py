@@ -141,11 +141,10 @@ class _LinearNLLSum(torch.autograd.Function):
                 dlogits = logits.sub_(lse).exp_()
                 dlogits.scatter_add_(-1, target, torch.full_like(lse, -1.0))
                 dlogits = dlogits.to(dtype)
-            if need_h or need_w:
-                if need_h:
-                    grad_h[rows] = (dlogits @ w).to(hidden.dtype)
-                if need_w:
-                    grad_w += (dlogits.T @ h).float()
+            if need_h:
+                grad_h[rows] = (dlogits @ w).to(hidden.dtype)
+            if need_w:
+                grad_w += (dlogits.T @ h).float()
         ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype))
         return loss
 
