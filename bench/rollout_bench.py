@@ -44,16 +44,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "data" / "models" / "tiny-arith"
+# the benchmark model shape is defined once, in train_bench.py (this script runs from bench/, so it imports)
+from train_bench import SHAPES as TRAIN_SHAPES  # noqa: E402
+
 SHAPES = {
-    "qwen2.5-0.5b": dict(
-        hidden_size=896,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        intermediate_size=4864,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
+    "qwen2.5-0.5b": TRAIN_SHAPES["qwen2.5-0.5b"],
     "tiny": dict(
         hidden_size=128,
         num_hidden_layers=2,
