@@ -11,6 +11,9 @@ Impls: ``ours`` (the stage's own loss path through the shared engine), ``ours_co
 instead of Liger's kernel for the chunked LM-head log-probs), and TRL:
 ``trl_wrapped`` / ``trl_bfd`` / ``trl_padded`` / ``trl_wrapped_liger`` (SFT packing variants) or ``trl``
 (DPOTrainer / RewardTrainer; any ``trl*`` name selects them for the dpo and rm cases).
+Levers under test append to an ``ours*`` name: ``-c8192`` (LM-head rows per chunk in sft's loss),
+``-autotune`` / ``-cudagraphs`` (the per-layer compile in mode max-autotune-no-cudagraphs / reduce-overhead).
+``--profile`` writes each worker's kernel-time table (torch.profiler) to $OUT.
 
 Each (case, impl) runs in its own subprocess (a fresh CUDA context, so peak memory is its own).
 The model is a Qwen2.5-0.5B-shaped Qwen2 with random bf16 weights; every step trains on
@@ -26,12 +29,16 @@ made sequential), and each result carries the first logged losses for the agreem
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 SHAPES = {
     "qwen2.5-0.5b": dict(
@@ -166,6 +173,13 @@ def run_ours(args, model, tokenizer, sequences, out: str) -> tuple[list[float], 
     model, parts = _ours_parts(args, model, tokenizer, sequences)
     if args.impl == "ours_torchlp":
         common.LINEAR_LOGPROBS_BACKEND = "torch"  # the chunked torch loop instead of Liger's kernel
+    for variant in args.impl.split("-")[1:]:  # levers under test: ours_compile-c8192-autotune
+        if variant.startswith("c") and variant[1:].isdigit():
+            common.NLL_CHUNK_ROWS = int(variant[1:])  # rows per LM-head chunk in sft's loss
+        elif variant in COMPILE_MODES:
+            from rlfactory.engine import trainer
+
+            trainer.compile_layers = functools.partial(_compile_layers_with_mode, mode=COMPILE_MODES[variant])
     stage = args.case.split("_")[0]
     cfg = validate_config(
         {
@@ -190,6 +204,21 @@ def run_ours(args, model, tokenizer, sequences, out: str) -> tuple[list[float], 
     elapsed = [r["elapsed_s"] for r in records]
     steps = [b - a for a, b in zip(elapsed, elapsed[1:], strict=False)][args.warmup - 1 :]
     return steps, [r["loss"] for r in records]
+
+
+COMPILE_MODES = {"autotune": "max-autotune-no-cudagraphs", "cudagraphs": "reduce-overhead"}
+
+
+def _compile_layers_with_mode(model, mode: str) -> int:
+    """The engine's per-layer compile with a torch.compile mode (a lever under test, not a config option)."""
+    import torch
+
+    blocks = [
+        b for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and n.endswith("layers") for b in m
+    ]
+    for block in blocks:
+        block.compile(mode=mode)
+    return len(blocks)
 
 
 def run_trl(args, model, tokenizer, sequences, out: str) -> tuple[list[float], list[float]]:
@@ -299,9 +328,29 @@ def worker(args) -> None:
     sequences = random_sequences(rows * (args.warmup + args.steps + 1), args.seq, SHAPES[args.shape]["vocab_size"])
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    with tempfile.TemporaryDirectory() as out:
-        runner = run_ours if args.impl.startswith("ours") else run_trl
+    runner = run_ours if args.impl.startswith("ours") else run_trl
+    profiler = contextlib.nullcontext()
+    if args.profile:  # kernel time by name over the whole run (warmup included), to $OUT or the cwd
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+        profiler = profile(activities=activities)
+    with tempfile.TemporaryDirectory() as out, profiler:
         steps, losses = runner(args, model, tokenizer, sequences, out)
+    extra = {}
+    if args.profile:
+        events = profiler.key_averages()
+        n_steps = args.warmup + args.steps
+        kernel_us = sum(e.self_device_time_total for e in events)
+        extra["kernel_ms_per_step"] = round(kernel_us / 1000 / n_steps, 2)
+        path = Path(os.environ.get("OUT", ".")) / f"profile_{args.case}_{args.impl}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        table = events.table(
+            sort_by="self_device_time_total" if args.device == "cuda" else "self_cpu_time_total",
+            row_limit=60,
+            max_name_column_width=90,
+        )
+        path.write_text(f"{n_steps} steps, {extra['kernel_ms_per_step']} ms of kernels per step\n{table}")
     step_s = statistics.median(steps)
     tokens_per_s = rows * args.seq / step_s
     print(
@@ -316,6 +365,7 @@ def worker(args) -> None:
                 "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None,
                 "timed_steps": len(steps),
                 "losses": [round(x, 5) for x in losses[:6]],
+                **extra,
             }
         ),
         flush=True,
@@ -332,6 +382,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--profile", action="store_true", help="torch.profiler kernel table per worker, to $OUT")
     parser.add_argument("--worker", nargs=2, metavar=("CASE", "IMPL"))
     args = parser.parse_args()
     import torch
@@ -362,6 +413,7 @@ def main() -> None:
                 str(args.warmup),
                 "--lr",
                 str(args.lr),
+                *(["--profile"] if args.profile else []),
             ]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

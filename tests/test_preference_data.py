@@ -171,6 +171,28 @@ def test_sft_loss_through_the_chunked_head_equals_the_models_own_loss(tokenizer,
     torch.testing.assert_close(got_grad, want_grad, atol=1e-4, rtol=1e-4)  # tied: embedding grads add in
 
 
+def test_target_rows_are_the_labelled_next_token_positions_found_on_the_host(tokenizer, model):
+    """The collate's flat row indices (padded and packed) are exactly the positions whose next token is trained,
+    and the loss through them equals the boolean-mask path."""
+    from rlfactory.model.lm_head import nll_sum as head_nll_sum
+    from rlfactory.stages import sft
+
+    items = [
+        {"input_ids": [5, 6, 7, 8, 9], "labels": [-100, -100, 7, 8, 9]},
+        {"input_ids": [4, 3, 2], "labels": [-100, 3, 2]},
+    ]
+    padded = sft.collate_padded(tokenizer.pad_token_id)(items)
+    assert padded["target_rows"].tolist() == [1, 2, 3, 5, 6]  # row 0: t=1..3 predict 7, 8, 9; row 1: t=0, 1
+    packed = sft.collate_packed(items)
+    # one row of 8: position 4 (the first document's end) does not predict the second document's first token
+    assert packed["target_rows"].tolist() == [1, 2, 3, 5, 6]
+    inputs = {k: padded[k] for k in ("input_ids", "attention_mask")}
+    with torch.no_grad():
+        by_rows = head_nll_sum(model, inputs, padded["labels"], padded["target_rows"])
+        by_mask = head_nll_sum(model, inputs, padded["labels"])
+    torch.testing.assert_close(by_rows, by_mask)
+
+
 def test_forward_logps_fused_head_equals_full_logits(tokenizer, model):
     """The hooked path (hidden states + chunked head, response positions only) against full logits, with grads."""
     items = preference_data.render_pairs(_cfg(), tokenizer, _pairs(4))

@@ -39,16 +39,26 @@ def _final_hidden(model: Any, decoder: Any, inputs: dict[str, torch.Tensor]) -> 
     return captured[-1]
 
 
-def nll_sum(model: Any, inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
-    """Summed next-token NLL of the labelled tokens (``labels`` (N, T), -100 = not trained), float32 scalar."""
+def nll_sum(
+    model: Any, inputs: dict[str, torch.Tensor], labels: torch.Tensor, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Summed next-token NLL of the labelled tokens (``labels`` (N, T), -100 = not trained), float32 scalar.
+
+    ``rows``: the flat (N x T) indices of the positions whose next token is labelled, when the caller has
+    them (sft's collate does, on the host); without them a boolean mask selects the rows, which syncs.
+    """
     targets = torch.full_like(labels, -100)
     targets[:, :-1] = labels[:, 1:]
     parts = lm_parts(model)
     if parts is None:  # the model's own loss; ``num_items_in_batch=1`` makes transformers' loss a sum
         return model(**inputs, labels=labels, num_items_in_batch=1, use_cache=False).loss.float()
     decoder, head = parts
-    mask = targets != -100
-    return linear_nll_sum(_final_hidden(model, decoder, inputs)[mask], head.weight, targets[mask])
+    if rows is None:
+        rows = (targets != -100).flatten().nonzero().squeeze(1)
+    hidden = _final_hidden(model, decoder, inputs)
+    return linear_nll_sum(
+        hidden.flatten(0, 1).index_select(0, rows), head.weight, targets.flatten().index_select(0, rows)
+    )
 
 
 def next_token_logps(model: Any, inputs: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:

@@ -64,9 +64,10 @@ def collate_padded(pad_id: int):
             ids[row, :n] = torch.tensor(item["input_ids"])
             labels[row, :n] = torch.tensor(item["labels"])
             mask[row, :n] = 1
-        if bool(mask.all()):  # no padding: without a mask, sdpa takes its fast causal (flash) path
-            return {"input_ids": ids, "labels": labels}
-        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+        batch = {"input_ids": ids, "labels": labels, "target_rows": target_rows(labels)}
+        if not bool(mask.all()):  # no padding: without a mask, sdpa takes its fast causal (flash) path
+            batch["attention_mask"] = mask
+        return batch
 
     return collate
 
@@ -80,7 +81,24 @@ def collate_packed(items: list[dict[str, list[int]]]) -> Batch:
         labels += [IGNORE_INDEX] + item["labels"][1:]  # never predict a document from the previous one
         positions += list(range(n))
     as_row = lambda values: torch.tensor([values], dtype=torch.long)
-    return {"input_ids": as_row(ids), "labels": as_row(labels), "position_ids": as_row(positions)}
+    labels_row = as_row(labels)
+    return {
+        "input_ids": as_row(ids),
+        "labels": labels_row,
+        "position_ids": as_row(positions),
+        "target_rows": target_rows(labels_row),
+    }
+
+
+def target_rows(labels: torch.Tensor) -> torch.Tensor:
+    """Flat indices (over N x T) of the positions whose next token is trained, found here on the host.
+
+    Computed in the collate so the loss selects those rows with ``index_select`` on the device; a boolean
+    index there (``hidden[mask]``) would make the host wait for the whole forward before launching the head
+    and the backward.
+    """
+    row, column = (labels[:, 1:] != IGNORE_INDEX).nonzero().unbind(1)
+    return row * labels.shape[1] + column
 
 
 def nll_sum(model: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -92,7 +110,7 @@ def nll_sum(model: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
     from rlfactory.model.lm_head import nll_sum as head_nll_sum
 
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
-    loss_sum = head_nll_sum(model, inputs, batch["labels"])
+    loss_sum = head_nll_sum(model, inputs, batch["labels"], batch.get("target_rows"))
     n_tokens = count_tokens(batch).clamp(min=1)
     return loss_sum, {"nll_per_token": loss_sum.detach() / n_tokens}
 
