@@ -115,10 +115,15 @@ def test_linear_token_logprobs_matches_full_log_softmax():
         torch.testing.assert_close(mine, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_linear_nll_sum_matches_cross_entropy_with_gradients_formed_in_forward():
+@pytest.mark.parametrize("float32_rows", [1024, 3])
+def test_linear_nll_sum_matches_cross_entropy_with_gradients_formed_in_forward(monkeypatch, float32_rows):
     """sft's head loss: value and both gradients (scaled by the upstream gradient, as the engine's 1/tokens)
-    against a float64 cross-entropy sum, with chunks that do not divide the rows; no grads when not needed."""
+    against a float64 cross-entropy sum, with chunks that do not divide the rows (and float32 passes that do not
+    divide a chunk); no grads when not needed."""
+    from rlfactory.algos import common
     from rlfactory.algos.common import linear_nll_sum
+
+    monkeypatch.setattr(common, "_FLOAT32_ROWS", float32_rows)
 
     g = torch.Generator().manual_seed(4)
     hidden = torch.randn(37, 16, generator=g, requires_grad=True)
@@ -136,6 +141,22 @@ def test_linear_nll_sum_matches_cross_entropy_with_gradients_formed_in_forward()
     torch.testing.assert_close(only_h.double(), want_grads[0].double(), atol=1e-5, rtol=1e-5)
     with torch.no_grad():  # evaluation: the value alone
         torch.testing.assert_close(linear_nll_sum(hidden, weight, labels).double(), want, atol=1e-4, rtol=1e-6)
+
+
+def test_bf16_head_loss_writes_the_logit_gradient_over_the_logits_and_matches_float64(monkeypatch):
+    """The eager path on a bf16 chunk (float32 passes of 4 rows, the gradient cast back into the logits)."""
+    from rlfactory.algos import common
+
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(10, 40, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 40, (10, 1), generator=g)
+    work = logits.to(torch.bfloat16)
+    exact = work.double().requires_grad_()
+    want = F.cross_entropy(exact, labels[:, 0], reduction="sum")
+    monkeypatch.setattr(common, "_FLOAT32_ROWS", 4)
+    nll = common._nll_and_dlogits_(work, labels, grads=True)
+    torch.testing.assert_close(nll.double(), want.detach(), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(work.double(), torch.autograd.grad(want, exact)[0], atol=4e-3, rtol=1e-2)
 
 
 def test_the_fusable_chunk_function_gives_the_same_nll_and_logit_gradient():

@@ -124,29 +124,24 @@ class _LinearNLLSum(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = None
+        grads = need_h or need_w
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             h, target = h_all[rows], labels[rows, None]
-            fused = _fused_chunk(h @ w.T, target) if (need_h or need_w) and COMPILE_HEAD and h.is_cuda else None
-            if fused is not None:
-                loss += fused[0]
-                dlogits = fused[1]
-            else:
-                logits = (h @ w.T).float()
-                lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-                loss += (lse - logits.gather(-1, target)).sum()
-                if not (need_h or need_w):
-                    continue
-                # d nll / d logits = softmax(logits) - onehot(label), built in place
-                dlogits = logits.sub_(lse).exp_()
-                dlogits.scatter_add_(-1, target, torch.full_like(lse, -1.0))
-                dlogits = dlogits.to(dtype)
+            logits = h @ w.T
+            fused = _fused_chunk(logits, target) if grads and COMPILE_HEAD and h.is_cuda else None
+            if fused is not None:  # the compiled kernel wrote d nll / d logits to a new buffer: drop the logits
+                (nll, logits), fused = fused, None
+            else:  # eager: d nll / d logits overwrites the logits
+                nll = _nll_and_dlogits_(logits, target, grads)
+            loss += nll
             if need_h and grad_h.dtype == dtype:
-                torch.mm(dlogits, w, out=grad_h[rows])
+                torch.mm(logits, w, out=grad_h[rows])
             elif need_h:
-                grad_h[rows] = (dlogits @ w).to(hidden.dtype)
+                grad_h[rows] = (logits @ w).to(hidden.dtype)
             if need_w:
-                grad_w = _accumulate_mm(grad_w, dlogits.T, h, weight.dtype)
+                grad_w = _accumulate_mm(grad_w, logits.T, h, weight.dtype)
+            del logits  # freed before the next chunk's logits are allocated: one chunk alive at a time
         ctx.save_for_backward(grad_h, grad_w)
         return loss
 
@@ -172,6 +167,26 @@ def _accumulate_mm(total: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
     if a.dtype == dtype:
         return total.addmm_(a, b)
     return total.add_((a @ b).to(dtype))
+
+
+_FLOAT32_ROWS = 1024  # rows of a logits chunk upcast to float32 at a time on the eager path (0.6 GB at 152k)
+
+
+def _nll_and_dlogits_(logits: torch.Tensor, target: torch.Tensor, grads: bool) -> torch.Tensor:
+    """Summed NLL of a (n, V) chunk of logits; with ``grads``, overwrites the logits with their gradient
+    ``softmax - onehot(target)``. The eager path: the float32 copy exists ``_FLOAT32_ROWS`` rows at a time
+    and the gradient needs no buffer of its own, so the head's memory is the one chunk of logits."""
+    nll = torch.zeros((), dtype=torch.float32, device=logits.device)
+    for start in range(0, logits.shape[0], _FLOAT32_ROWS):
+        part, part_target = logits[start : start + _FLOAT32_ROWS], target[start : start + _FLOAT32_ROWS]
+        full = part.float()  # float32 logits are used as they are: then everything below is in place
+        lse = torch.logsumexp(full, dim=-1, keepdim=True)
+        nll += (lse - full.gather(-1, part_target)).sum()
+        if grads:
+            full.sub_(lse).exp_().scatter_add_(-1, part_target, torch.full_like(lse, -1.0))
+            if full is not part:
+                part.copy_(full)
+    return nll
 
 
 COMPILE_HEAD = False  # set by the engine under train.torch_compile: one fused kernel per chunk on CUDA
