@@ -11,7 +11,7 @@ Impls: ``ours`` (the stage's own loss path through the shared engine), ``ours_co
 instead of Liger's kernel for the chunked LM-head log-probs), and TRL:
 ``trl_wrapped`` / ``trl_bfd`` / ``trl_padded`` / ``trl_wrapped_liger`` (SFT packing variants) or ``trl``
 (DPOTrainer / RewardTrainer; any ``trl*`` name selects them for the dpo and rm cases).
-Levers under test append to an ``ours*`` name: ``-c8192`` (LM-head rows per chunk in sft's loss),
+Levers under test append to an ``ours*`` name: ``-c4096`` (LM-head rows per chunk in sft's loss; default: a 2.5 GB logits budget),
 ``-autotune`` / ``-cudagraphs`` (the per-layer compile in mode max-autotune-no-cudagraphs / reduce-overhead).
 ``--profile`` writes each worker's kernel-time table (torch.profiler) to $OUT.
 

@@ -160,16 +160,26 @@ def test_bf16_head_loss_writes_the_logit_gradient_over_the_logits_and_matches_fl
 
 
 def test_the_fusable_chunk_function_gives_the_same_nll_and_logit_gradient():
-    """The function train.torch_compile compiles on CUDA (one kernel per chunk), run eagerly here."""
-    from rlfactory.algos.common import _nll_and_dlogits
+    """The function train.torch_compile compiles on CUDA (one kernel per chunk, the gradient written over the
+    logits), run eagerly here."""
+    from rlfactory.algos.common import _nll_and_dlogits_fusable_
 
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(9, 30, generator=g, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, 30, (9,), generator=g)
-    nll, dlogits = _nll_and_dlogits(logits.detach(), labels[:, None])
+    work = logits.detach().clone()
+    nll = _nll_and_dlogits_fusable_(work, labels[:, None])
     want = F.cross_entropy(logits, labels, reduction="sum")
     torch.testing.assert_close(nll.double(), want.detach(), atol=1e-5, rtol=1e-6)
-    torch.testing.assert_close(dlogits, torch.autograd.grad(want, logits)[0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(work, torch.autograd.grad(want, logits)[0], atol=1e-6, rtol=1e-6)
+
+
+def test_lm_head_chunks_hold_a_fixed_logits_budget():
+    from rlfactory.algos.common import _chunk_rows
+
+    assert _chunk_rows(151936) == 8192  # Qwen2.5: 2.5 GB of bf16 logits
+    assert _chunk_rows(262144) == 4096
+    assert _chunk_rows(10_000_000) == 1024  # never fewer rows than this
 
 
 def test_sft_loss_through_the_chunked_head_equals_the_models_own_loss(tokenizer, model):
