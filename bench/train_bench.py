@@ -11,8 +11,9 @@ Impls: ``ours`` (the stage's own loss path through the shared engine), ``ours_co
 instead of Liger's kernel for the chunked LM-head log-probs), and TRL:
 ``trl_wrapped`` / ``trl_bfd`` / ``trl_padded`` / ``trl_wrapped_liger`` (SFT packing variants) or ``trl``
 (DPOTrainer / RewardTrainer; any ``trl*`` name selects them for the dpo and rm cases).
-Levers under test append to an ``ours*`` name: ``-c4096`` (LM-head rows per chunk in sft's loss; default: a 2.5 GB logits budget),
-``-autotune`` / ``-cudagraphs`` (the per-layer compile in mode max-autotune-no-cudagraphs / reduce-overhead).
+Levers under test append to an ``ours*`` name: ``-c8192`` (LM-head rows per chunk in sft's loss; default:
+a 1.25 GB logits budget), ``-autotune`` / ``-cudagraphs`` (the per-layer compile in mode
+max-autotune-no-cudagraphs / reduce-overhead).
 ``--profile`` writes each worker's kernel-time table (torch.profiler) to $OUT.
 
 Each (case, impl) runs in its own subprocess (a fresh CUDA context, so peak memory is its own).
@@ -173,7 +174,7 @@ def run_ours(args, model, tokenizer, sequences, out: str) -> tuple[list[float], 
     model, parts = _ours_parts(args, model, tokenizer, sequences)
     if args.impl == "ours_torchlp":
         common.LINEAR_LOGPROBS_BACKEND = "torch"  # the chunked torch loop instead of Liger's kernel
-    for variant in args.impl.split("-")[1:]:  # levers under test: ours_compile-c8192-autotune
+    for variant in args.impl.split("-")[1:]:  # levers under test: ours_compile-c8192-cudagraphs
         if variant.startswith("c") and variant[1:].isdigit():
             common.NLL_CHUNK_ROWS = int(variant[1:])  # rows per LM-head chunk in sft's loss
         elif variant in COMPILE_MODES:

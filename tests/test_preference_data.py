@@ -177,8 +177,9 @@ def test_the_fusable_chunk_function_gives_the_same_nll_and_logit_gradient():
 def test_lm_head_chunks_hold_a_fixed_logits_budget():
     from rlfactory.algos.common import _chunk_rows
 
-    assert _chunk_rows(151936) == 8192  # Qwen2.5: 2.5 GB of bf16 logits
-    assert _chunk_rows(262144) == 4096
+    assert _chunk_rows(151936) == 4096  # Qwen2.5: 1.2 GB of bf16 logits
+    assert _chunk_rows(262144) == 2048
+    assert _chunk_rows(32000) == 19 * 1024
     assert _chunk_rows(10_000_000) == 1024  # never fewer rows than this
 
 

@@ -221,13 +221,14 @@ def _fused_chunk(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor | N
 
 
 NLL_CHUNK_ROWS: int | None = None  # rows of logits per chunk in ``linear_nll_sum``; None: ``_chunk_rows``
-_CHUNK_LOGITS_BYTES = 2.5e9  # a chunk's bf16 logits: 8192 rows at a 152k vocabulary, 4096 at 256k
+_CHUNK_LOGITS_BYTES = 1.25e9  # a chunk's bf16 logits: 4096 rows at a 152k vocabulary, 2048 at 256k
 
 
 def _chunk_rows(vocab_size: int) -> int:
     """Rows per LM-head chunk: as many whole 1024s as fit ``_CHUNK_LOGITS_BYTES`` of bf16 logits (at least 1024).
-    Measured on an H200 (docs/BENCHMARKS.md): one 8192-row chunk instead of two of 4096 made full SFT 4% faster;
-    the logits gradient is written over the logits, so a chunk costs its logits and nothing more."""
+    The gradient is written over the logits, so a chunk costs its logits and nothing more. Measured (full SFT,
+    docs/BENCHMARKS.md): one 8192-row chunk instead of two of 4096 was 4% faster on an H200, equal on an H100,
+    and 1.2 GB more at peak on both: the smaller chunk it is."""
     return max(1024, int(_CHUNK_LOGITS_BYTES // (vocab_size * 2)) // 1024 * 1024)
 
 
