@@ -13,7 +13,7 @@ instead of Liger's kernel for the chunked LM-head log-probs), and TRL:
 (DPOTrainer / RewardTrainer; any ``trl*`` name selects them for the dpo and rm cases).
 Levers under test append to an ``ours*`` name: ``-c8192`` (LM-head rows per chunk in sft's loss; default:
 a 1.25 GB logits budget), ``-autotune`` / ``-cudagraphs`` (the per-layer compile in mode
-max-autotune-no-cudagraphs / reduce-overhead).
+max-autotune-no-cudagraphs / reduce-overhead), ``-decoder`` (the whole decoder compiled as one graph).
 ``--profile`` writes each worker's kernel-time table (torch.profiler) to $OUT.
 
 Each (case, impl) runs in its own subprocess (a fresh CUDA context, so peak memory is its own).
@@ -181,6 +181,10 @@ def run_ours(args, model, tokenizer, sequences, out: str) -> tuple[list[float], 
             from rlfactory.engine import trainer
 
             trainer.compile_layers = functools.partial(_compile_layers_with_mode, mode=COMPILE_MODES[variant])
+        elif variant == "decoder":
+            from rlfactory.engine import trainer
+
+            trainer.compile_layers = _compile_decoder
     stage = args.case.split("_")[0]
     cfg = validate_config(
         {
@@ -220,6 +224,17 @@ def _compile_layers_with_mode(model, mode: str) -> int:
     for block in blocks:
         block.compile(mode=mode)
     return len(blocks)
+
+
+def _compile_decoder(model) -> int:
+    """The whole decoder (embedding, mask, every layer, final norm) as one graph instead of one per layer; its
+    ``forward`` is compiled, not the module, so the loss's forward hook stays outside the graph."""
+    import torch
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = base.get_decoder()
+    decoder.forward = torch.compile(decoder.forward)
+    return 1
 
 
 def run_trl(args, model, tokenizer, sequences, out: str) -> tuple[list[float], list[float]]:
