@@ -13,7 +13,8 @@ instead of Liger's kernel for the chunked LM-head log-probs), and TRL:
 (DPOTrainer / RewardTrainer; any ``trl*`` name selects them for the dpo and rm cases).
 Levers under test append to an ``ours*`` name: ``-c8192`` (LM-head rows per chunk in sft's loss; default:
 a 1.25 GB logits budget), ``-autotune`` / ``-cudagraphs`` (the per-layer compile in mode
-max-autotune-no-cudagraphs / reduce-overhead), ``-decoder`` (the whole decoder compiled as one graph).
+max-autotune-no-cudagraphs / reduce-overhead), ``-decoder`` (the whole decoder compiled as one graph),
+``-mem`` (GPU memory after the forward, after the loss and at the backward's peak, per step).
 ``--profile`` writes each worker's kernel-time table (torch.profiler) to $OUT.
 
 Each (case, impl) runs in its own subprocess (a fresh CUDA context, so peak memory is its own).
@@ -185,6 +186,8 @@ def run_ours(args, model, tokenizer, sequences, out: str) -> tuple[list[float], 
             from rlfactory.engine import trainer
 
             trainer.compile_layers = _compile_decoder
+        elif variant == "mem":
+            parts.loss_fn = _memory_phases(model, parts.loss_fn)
     stage = args.case.split("_")[0]
     cfg = validate_config(
         {
@@ -224,6 +227,37 @@ def _compile_layers_with_mode(model, mode: str) -> int:
     for block in blocks:
         block.compile(mode=mode)
     return len(blocks)
+
+
+def _memory_phases(model, loss_fn):
+    """Wraps the loss to print, per step, the GPU memory (GB, allocated / peak) after the decoder's forward,
+    after the loss (the LM head), and the peak of backward + optimizer step: where a peak comes from."""
+    import torch
+
+    gb = lambda n: round(n / 2**30, 2)  # noqa: E731
+    marks: dict[str, tuple[float, float]] = {}
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if hasattr(base, "get_decoder"):
+        base.get_decoder().register_forward_hook(
+            lambda *_: marks.__setitem__(
+                "decoder", (gb(torch.cuda.memory_allocated()), gb(torch.cuda.max_memory_allocated()))
+            )
+        )
+
+    def wrapped(model, batch):
+        backward_peak = gb(torch.cuda.max_memory_allocated())
+        torch.cuda.reset_peak_memory_stats()
+        out = loss_fn(model, batch)
+        head = (gb(torch.cuda.memory_allocated()), gb(torch.cuda.max_memory_allocated()))
+        print(
+            f"MEM backward+step peak {backward_peak} | after decoder {marks.get('decoder')} | after loss {head}",
+            file=sys.stderr,
+            flush=True,
+        )
+        torch.cuda.reset_peak_memory_stats()
+        return out
+
+    return wrapped
 
 
 def _compile_decoder(model) -> int:
@@ -436,6 +470,8 @@ def main() -> None:
             if not lines:
                 print(f"{case}/{impl} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
                 continue
+            for line in [ln for ln in proc.stderr.splitlines() if ln.startswith("MEM ")][-3:]:
+                print(f"{case}/{impl} {line}", flush=True)
             rows.append(json.loads(lines[-1][7:]))
             print(json.dumps(rows[-1]), flush=True)
     print("\n| case | impl | step s | tokens/s | MFU | peak GB | vs best TRL |\n|---|---|---|---|---|---|---|")
