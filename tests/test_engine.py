@@ -46,6 +46,48 @@ def test_packed_equals_padded_and_documents_do_not_attend_across():
     assert abs(float(leaky_loss) - float(padded_loss)) > 1e-3
 
 
+def test_lora_under_autocast_saves_no_float32_copies_of_adapter_inputs():
+    """A bf16 model with PEFT's float32 adapters, under bf16 autocast (the GPU LoRA setting): the engine's forward
+    context keeps PEFT from casting each adapter's input to float32, so autograd saves fewer bytes, while the loss
+    and the adapter gradients stay bit-identical."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from rlfactory.config.schema import LoraConfig
+    from rlfactory.engine.trainer import autocast_forward
+    from rlfactory.model.loader import apply_lora
+
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(TINY_MODEL)))
+    base = AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.bfloat16, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = apply_lora(base, LoraConfig(r=8, alpha=16, dropout=0.0, target_modules="all-linear"), False)
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
+    examples = load_examples(["arith_sft"], "sft", str(DATA_DIR), max_samples=4)
+    batch = sft.collate_padded(tokenizer.pad_token_id)([render_sft(tokenizer, e["messages"]) for e in examples])
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+
+    def run(context) -> tuple[float, list[torch.Tensor], int]:
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        model.zero_grad()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context:
+            loss, _ = sft.nll_sum(model, batch)
+        loss.backward()
+        grads = [p.grad.clone() for n, p in model.named_parameters() if p.requires_grad]
+        return float(loss), grads, sum(saved.values())
+
+    plain_loss, plain_grads, plain_bytes = run(accelerator.autocast())
+    loss, grads, saved_bytes = run(autocast_forward(accelerator, model))
+    assert loss == plain_loss
+    for mine, ref in zip(grads, plain_grads, strict=True):
+        torch.testing.assert_close(mine, ref, atol=0, rtol=0)
+    assert saved_bytes < plain_bytes, (saved_bytes, plain_bytes)
+
+
 def _run_in_process(cfg: dict) -> Path:
     config = validate_config(cfg, "test")
     sft.run(config)

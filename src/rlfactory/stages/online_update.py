@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from rlfactory.algos.common import entropy_from_logits, masked_mean, masked_var, token_logprobs
 from rlfactory.config.schema import AlgorithmConfig
+from rlfactory.engine.trainer import autocast_forward
 from rlfactory.rollout.batch import response_logits
 
 Batch = dict[str, torch.Tensor]
@@ -170,7 +171,7 @@ class Updater:
                 for start in range(0, len(mini_host), micro):
                     pos = torch.arange(start, min(start + micro, len(mini_host)), device=device)
                     width = int(lengths[mini_host[start : start + micro]].max())
-                    with self.accelerator.autocast():
+                    with autocast_forward(self.accelerator, self.model):
                         loss, metrics = loss_fn(mini_rows[pos], pos, mini_rows, width)
                     self.accelerator.backward(loss)
                     for key, value in metrics.items():
