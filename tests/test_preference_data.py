@@ -180,6 +180,7 @@ def test_lm_head_chunks_hold_a_fixed_logits_budget():
     assert _chunk_rows(151936) == 4096  # Qwen2.5: 1.2 GB of bf16 logits
     assert _chunk_rows(262144) == 2048
     assert _chunk_rows(32000) == 19 * 1024
+    assert _chunk_rows(151936, eager=True) == 2048  # eager: room for the float32 pass
     assert _chunk_rows(10_000_000) == 1024  # never fewer rows than this
 
 
