@@ -14,8 +14,7 @@ instead of Liger's kernel for the chunked LM-head log-probs), and TRL:
 Levers under test append to an ``ours*`` name: ``-c8192`` (LM-head rows per chunk in sft's loss; default:
 a 1.25 GB logits budget), ``-autotune`` / ``-cudagraphs`` (the per-layer compile in mode
 max-autotune-no-cudagraphs / reduce-overhead), ``-decoder`` (the whole decoder compiled as one graph),
-``-mem`` (GPU memory after the forward, after the loss and at the backward's peak, per step), ``-memtrace`` (the
-largest blocks alive at the peak, from the allocator's trace, with the lines that made them).
+``-mem`` (GPU memory after the forward, after the loss and at the backward's peak, per step).
 ``--profile`` writes each worker's kernel-time table (torch.profiler) to $OUT.
 
 Each (case, impl) runs in its own subprocess (a fresh CUDA context, so peak memory is its own).
@@ -169,6 +168,9 @@ def torch_seed() -> None:
 
 def run_ours(args, model, tokenizer, sequences, out: str) -> tuple[list[float], list[float]]:
     from rlfactory.algos import common
+    from rlfactory.config.loader import validate_config
+    from rlfactory.engine.run_dir import read_log
+    from rlfactory.engine.trainer import train
 
     model, parts = _ours_parts(args, model, tokenizer, sequences)
     if args.impl == "ours_torchlp":
@@ -186,44 +188,6 @@ def run_ours(args, model, tokenizer, sequences, out: str) -> tuple[list[float], 
             trainer.compile_layers = _compile_decoder
         elif variant == "mem":
             parts.loss_fn = _memory_phases(model, parts.loss_fn)
-        elif variant == "memtrace":
-            import torch
-
-            torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
-            try:
-                return _train_ours(args, model, tokenizer, parts, out)
-            finally:
-                _print_peak_blocks(torch.cuda.memory._snapshot())
-    return _train_ours(args, model, tokenizer, parts, out)
-
-
-def _print_peak_blocks(snapshot: dict, top: int = 12) -> None:
-    """Replays the allocator trace and prints the largest blocks alive at the peak, with where they were made."""
-    events = [e for e in snapshot["device_traces"][0] if e["action"] in ("alloc", "free_completed")]
-    current, peak, peak_at = 0, 0, 0
-    for i, event in enumerate(events):
-        current += event["size"] if event["action"] == "alloc" else -event["size"]
-        if current > peak:
-            peak, peak_at = current, i
-    blocks: dict[int, dict] = {}
-    for event in events[: peak_at + 1]:
-        if event["action"] == "alloc":
-            blocks[event["addr"]] = event
-        else:
-            blocks.pop(event["addr"], None)
-    live = sorted(blocks.values(), key=lambda e: -e["size"])
-    print(f"MEMTRACE peak of traced blocks {peak / 2**30:.2f} GB, {len(live)} blocks alive", file=sys.stderr)
-    for event in live[:top]:
-        frames = [f for f in event.get("frames", []) if "/torch/" not in f["filename"]][:3]
-        where = " < ".join(f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in frames)
-        print(f"MEMTRACE {event['size'] / 2**20:9.1f} MB  {where}", file=sys.stderr)
-
-
-def _train_ours(args, model, tokenizer, parts, out: str) -> tuple[list[float], list[float]]:
-    from rlfactory.config.loader import validate_config
-    from rlfactory.engine.run_dir import read_log
-    from rlfactory.engine.trainer import train
-
     stage = args.case.split("_")[0]
     cfg = validate_config(
         {
@@ -506,10 +470,7 @@ def main() -> None:
             if not lines:
                 print(f"{case}/{impl} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
                 continue
-            memory_lines = proc.stderr.splitlines()
-            for line in [ln for ln in memory_lines if ln.startswith("MEM ")][-3:] + [
-                ln for ln in memory_lines if ln.startswith("MEMTRACE")
-            ]:
+            for line in [ln for ln in proc.stderr.splitlines() if ln.startswith("MEM ")][-3:]:
                 print(f"{case}/{impl} {line}", flush=True)
             rows.append(json.loads(lines[-1][7:]))
             print(json.dumps(rows[-1]), flush=True)
