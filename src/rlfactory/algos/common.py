@@ -179,12 +179,10 @@ def _nll_and_dlogits_(logits: torch.Tensor, target: torch.Tensor, grads: bool) -
     for start in range(0, logits.shape[0], _FLOAT32_ROWS):
         part, part_target = logits[start : start + _FLOAT32_ROWS], target[start : start + _FLOAT32_ROWS]
         full = part.float()  # float32 logits are used as they are: then everything below is in place
-        picked = full.gather(-1, part_target)
-        top = full.amax(dim=-1, keepdim=True)
-        total = full.sub_(top).exp_().sum(dim=-1, keepdim=True)  # log-sum-exp in place: no (n, V) temporary
-        nll += (top + total.log() - picked).sum()
+        lse = torch.logsumexp(full, dim=-1, keepdim=True)
+        nll += (lse - full.gather(-1, part_target)).sum()
         if grads:
-            full.div_(total).scatter_add_(-1, part_target, torch.full_like(total, -1.0))
+            full.sub_(lse).exp_().scatter_add_(-1, part_target, torch.full_like(lse, -1.0))
             if full is not part:
                 part.copy_(full)
     return nll
