@@ -125,8 +125,8 @@ def autocast_forward(accelerator: Any, model: Any) -> contextlib.ExitStack:
 
     PEFT keeps LoRA weights in float32 on a bf16 model and casts each adapter's input to float32; under autocast
     the adapter's matmul casts it straight back to bf16, and that copy is what autograd saves, one per adapted
-    linear: 4 GB of a 0.5B model's 12 GB of activations at 8k tokens (docs/BENCHMARKS.md). Without the cast the
-    values are the same and the adapter saves the input the base layer already holds.
+    linear: 1.3 GB of a 0.5B model's activations at 8k tokens, uncompiled (H100, docs/BENCHMARKS.md). Without the
+    cast the values are the same and the adapter saves the input the base layer already holds.
     """
     stack = contextlib.ExitStack()
     stack.enter_context(accelerator.autocast())
