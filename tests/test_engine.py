@@ -51,6 +51,7 @@ def test_lora_under_autocast_saves_no_float32_copies_of_adapter_inputs():
     context keeps PEFT from casting each adapter's input to float32, so autograd saves fewer bytes, while the loss
     and the adapter gradients stay bit-identical."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from transformers import AutoModelForCausalLM
 
     from rlfactory.config.schema import LoraConfig
@@ -64,6 +65,7 @@ def test_lora_under_autocast_saves_no_float32_copies_of_adapter_inputs():
     assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
     examples = load_examples(["arith_sft"], "sft", str(DATA_DIR), max_samples=4)
     batch = sft.collate_padded(tokenizer.pad_token_id)([render_sft(tokenizer, e["messages"]) for e in examples])
+    AcceleratorState._reset_state(reset_partial_state=True)  # a process-wide singleton: bf16 only for this test
     accelerator = Accelerator(cpu=True, mixed_precision="bf16")
 
     def run(context) -> tuple[float, list[torch.Tensor], int]:
@@ -80,8 +82,11 @@ def test_lora_under_autocast_saves_no_float32_copies_of_adapter_inputs():
         grads = [p.grad.clone() for n, p in model.named_parameters() if p.requires_grad]
         return float(loss), grads, sum(saved.values())
 
-    plain_loss, plain_grads, plain_bytes = run(accelerator.autocast())
-    loss, grads, saved_bytes = run(autocast_forward(accelerator, model))
+    try:
+        plain_loss, plain_grads, plain_bytes = run(accelerator.autocast())
+        loss, grads, saved_bytes = run(autocast_forward(accelerator, model))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
     assert loss == plain_loss
     for mine, ref in zip(grads, plain_grads, strict=True):
         torch.testing.assert_close(mine, ref, atol=0, rtol=0)
