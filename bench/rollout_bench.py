@@ -243,8 +243,8 @@ def case_grpo(args, model_dir: Path) -> dict:
     import yaml
 
     from rlfactory.cli import main
+    from rlfactory.engine.online import loop as online
     from rlfactory.engine.run_dir import read_log
-    from rlfactory.stages import online
 
     out = Path(tempfile.mkdtemp())
     cfg = _grpo_cfg(args, model_dir, out / "run", args.impl, args.sync, args.sleep)

@@ -113,7 +113,7 @@ def random_pairs(sequences: list[list[int]]) -> list[dict[str, list[int]]]:
 def _ours_parts(args, model, tokenizer, sequences):
     """(model, StageParts) as the stage modules build them."""
     from rlfactory.config.schema import DPOConfig, LoraConfig, RMConfig
-    from rlfactory.engine.trainer import StageParts
+    from rlfactory.engine.offline import StageParts
     from rlfactory.model.loader import apply_lora, maybe_apply_liger
     from rlfactory.stages import dpo, preference_data, reference, rm, sft
 
@@ -169,8 +169,8 @@ def torch_seed() -> None:
 def run_ours(args, model, tokenizer, sequences, out: str) -> tuple[list[float], list[float]]:
     from rlfactory.algos import common
     from rlfactory.config.loader import validate_config
+    from rlfactory.engine.offline import train
     from rlfactory.engine.run_dir import read_log
-    from rlfactory.engine.trainer import train
 
     model, parts = _ours_parts(args, model, tokenizer, sequences)
     if args.impl == "ours_torchlp":
@@ -179,13 +179,13 @@ def run_ours(args, model, tokenizer, sequences, out: str) -> tuple[list[float], 
         if variant.startswith("c") and variant[1:].isdigit():
             common.NLL_CHUNK_ROWS = int(variant[1:])  # rows per LM-head chunk in sft's loss
         elif variant in COMPILE_MODES:
-            from rlfactory.engine import trainer
+            from rlfactory.engine import shared
 
-            trainer.compile_layers = functools.partial(_compile_layers_with_mode, mode=COMPILE_MODES[variant])
+            shared.compile_layers = functools.partial(_compile_layers_with_mode, mode=COMPILE_MODES[variant])
         elif variant == "decoder":
-            from rlfactory.engine import trainer
+            from rlfactory.engine import shared
 
-            trainer.compile_layers = _compile_decoder
+            shared.compile_layers = _compile_decoder
         elif variant == "mem":
             parts.loss_fn = _memory_phases(model, parts.loss_fn)
     stage = args.case.split("_")[0]

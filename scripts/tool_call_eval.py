@@ -92,25 +92,28 @@ def evaluate(
 
     from rlfactory.config.loader import load_config
     from rlfactory.model.loader import load_model, load_tokenizer
-    from rlfactory.rewards.builtin import REWARD_FUNCTIONS
+    from rlfactory.rewards.builtin import metric_score
+    from rlfactory.rollout.agent import Rollouts, build_rollouts
     from rlfactory.rollout.base import SamplingParams
-    from rlfactory.rollout.hf import HFBackend
-    from rlfactory.stages import online_agent
-    from rlfactory.stages.online_setup import load_prompt_sets, render_prompts
+    from rlfactory.stages.rl import load_prompt_sets, render_prompts
 
     cfg = load_config(config, [f"model.name_or_path={model_dir}", *overrides])
     _, evals, _ = load_prompt_sets(cfg)  # checked, tools attached
     tokenizer = load_tokenizer(cfg.model)
     evals = render_prompts(cfg, tokenizer, evals)
     model = load_model(cfg.model, cfg.lora, cfg.freeze, trainable=False).eval()
-    agent = online_agent.build_agent(cfg, HFBackend(model, tokenizer, 64), tokenizer)
-    assert agent is not None, "the config declares no tools"
+    if cfg.rollout.backend != "hf":
+        raise SystemExit("tool_call_eval samples with the hf backend: run it on a config with rollout.backend: hf")
+    rollouts: Rollouts = build_rollouts(cfg, model, tokenizer)
+    assert rollouts.agent is not None, "the config declares no tools"
     torch.manual_seed(seed)
     examples = [ex for ex in evals for _ in range(samples)]
     params = SamplingParams(cfg.evaluation.max_new_tokens, temperature)
-    _, finals, seen = online_agent.generate(agent, agent.backend, examples, params)
-    metric = REWARD_FUNCTIONS.get(cfg.evaluation.metric)
-    scores = [float(metric("", final, ex.get("answer"), ex)) for ex, final in zip(seen, finals, strict=True)]
+    _, finals, seen = rollouts.generate(examples, params)
+    scores = [
+        metric_score(cfg.evaluation.metric, "", final, ex.get("answer"), ex)
+        for ex, final in zip(seen, finals, strict=True)
+    ]
     rows = [{"source": ex["source"], "score": sc, **ex["agent"]} for ex, sc in zip(seen, scores, strict=True)]
     return summarize([ex["agent"] for ex in seen], scores), rows
 

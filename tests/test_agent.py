@@ -12,9 +12,8 @@ from rlfactory.envs.base import build_env_factory
 from rlfactory.model.loader import load_tokenizer
 from rlfactory.render.chat import render_prompt, render_segments
 from rlfactory.render.glue import ObservationGlue
-from rlfactory.rollout.agent import AgentLoop, AgentSettings
+from rlfactory.rollout.agent import AgentLoop, AgentSettings, episode_metrics
 from rlfactory.rollout.base import Completion, SamplingParams
-from rlfactory.stages import online_agent
 from rlfactory.tasks.arith_tools import CALCULATOR_SCHEMA
 from rlfactory.tools.execute import ExecLimits
 from rlfactory.tools.spec import Tool, load_tools
@@ -173,7 +172,7 @@ def test_failing_tools_return_errors_and_the_conversation_continues(tokenizer, t
     assert first[1]["result"] == "Error: KeyError: 'b'"
     assert [c["error_kind"] for c in second] == ["unknown_tool", "bad_arguments"]
     assert "Error: unknown tool 'nope'" in tokenizer.decode(res.completion.token_ids)
-    metrics = online_agent.metrics([{"agent": res.summary()}])
+    metrics = episode_metrics([{"agent": res.summary()}])
     assert metrics["num_turns/mean"] == 3 and metrics["tool_calls/mean"] == 4
     assert metrics["tool_errors/rate"] == 1.0 and metrics["invalid_calls/rate"] == 0.5
     assert metrics["tool_calls/slow"] == 1 and metrics["tool_calls/boom"] == 1 and metrics["finish/answer"] == 1.0
@@ -266,40 +265,40 @@ def test_real_model_rollouts_are_token_in_token_out(tokenizer, calc):
 
 # --------------------------------------------------------------------------- the loss ignores spliced tokens
 def test_policy_loss_ignores_tokens_the_policy_did_not_sample(tokenizer, calc):
+    from dataclasses import replace
+
     from transformers import AutoModelForCausalLM
 
     from rlfactory.config.schema import AlgorithmConfig
+    from rlfactory.engine.online.update import actor_loss_fn, policy_forward
     from rlfactory.rollout.batch import pack_rollouts
-    from rlfactory.stages.online_update import actor_loss_fn, policy_forward
 
     backend = ScriptedBackend(tokenizer, {"Q1": THREE_TURNS, "Q2": ["The answer is 5."]})
     examples = [_example(tokenizer, "Q1"), _example(tokenizer, "Q2")]
     results = _loop(tokenizer, backend, calc).run(examples, SamplingParams(400))
     batch = pack_rollouts([e["prompt_ids"] for e in examples], [r.completion for r in results], tokenizer.pad_token_id)
-    assert batch["loss_mask"].sum() == sum(sum(r.completion.mask) for r in results)
+    assert batch.loss_mask.sum() == sum(sum(r.completion.mask) for r in results)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL)
     with torch.no_grad():
         current, _ = policy_forward(model, batch, torch.arange(2))
-    batch["advantages"] = torch.randn(batch["responses"].shape) * batch["response_mask"]
-    batch["old_logprobs"] = current
+    batch.advantages = torch.randn(batch.responses.shape) * batch.response_mask
+    batch.old_logprobs = current
     alg = AlgorithmConfig(adv_estimator="grpo")
 
     def loss_and_grads(b):
         model.zero_grad()
         rows = torch.arange(2)
-        loss, _ = actor_loss_fn(model, b, alg, 1.0, 400)(rows, rows, rows)
+        loss = actor_loss_fn(model, b, alg, 1.0, 400)(rows, rows, rows).loss
         loss.backward()
         return float(loss.detach()), [p.grad.clone() for p in model.parameters()]
 
     loss, grads = loss_and_grads(batch)
-    junk = dict(batch)
-    spliced = (batch["loss_mask"] == 0) & (
-        torch.arange(batch["responses"].shape[1]) < batch["response_length"][:, None]
-    )
+    junk = replace(batch)
+    spliced = (batch.loss_mask == 0) & (torch.arange(batch.responses.shape[1]) < batch.response_length[:, None])
     assert spliced.sum() > 0
-    junk["advantages"] = torch.where(spliced, torch.full_like(batch["advantages"], 1e4), batch["advantages"])
-    junk["old_logprobs"] = torch.where(spliced, torch.full_like(current, -50.0), current)
+    junk.advantages = torch.where(spliced, torch.full_like(batch.advantages, 1e4), batch.advantages)
+    junk.old_logprobs = torch.where(spliced, torch.full_like(current, -50.0), current)
     junk_loss, junk_grads = loss_and_grads(junk)
     assert junk_loss == loss and all(torch.equal(a, b) for a, b in zip(grads, junk_grads, strict=True))
 

@@ -21,16 +21,16 @@ def test_pack_layout_is_token_exact():
     prompts = [[11, 12, 13], [21]]
     completions = [Completion([31, 32], "stop"), Completion([41, 42, 43, 44], "length", mask=[1, 1, 0, 1])]
     batch = pack_rollouts(prompts, completions, PAD, mask_truncated=False)
-    assert batch["input_ids"].tolist() == [[11, 12, 13, 31, 32, 0, 0], [0, 0, 21, 41, 42, 43, 44]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1, 1]]
-    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 4, 4], [0, 0, 0, 1, 2, 3, 4]]
-    assert batch["responses"].tolist() == [[31, 32, 0, 0], [41, 42, 43, 44]]
-    assert batch["response_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 0, 1]]  # a tool token (mask 0) is not trained
-    assert batch["loss_mask"].tolist() == batch["response_mask"].tolist()
-    assert batch["response_length"].tolist() == [2, 4] and batch["truncated"].tolist() == [False, True]
+    assert batch.input_ids.tolist() == [[11, 12, 13, 31, 32, 0, 0], [0, 0, 21, 41, 42, 43, 44]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1, 1]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 4, 4], [0, 0, 0, 1, 2, 3, 4]]
+    assert batch.responses.tolist() == [[31, 32, 0, 0], [41, 42, 43, 44]]
+    assert batch.response_mask.tolist() == [[1, 1, 0, 0], [1, 1, 0, 1]]  # a tool token (mask 0) is not trained
+    assert batch.loss_mask.tolist() == batch.response_mask.tolist()
+    assert batch.response_length.tolist() == [2, 4] and batch.truncated.tolist() == [False, True]
     masked = pack_rollouts(prompts, completions, PAD, mask_truncated=True)
-    assert masked["loss_mask"].tolist() == [[1, 1, 0, 0], [0, 0, 0, 0]]  # truncated: out of the loss ...
-    assert masked["response_mask"].tolist() == batch["response_mask"].tolist()  # ... but still scored
+    assert masked.loss_mask.tolist() == [[1, 1, 0, 0], [0, 0, 0, 0]]  # truncated: out of the loss ...
+    assert masked.response_mask.tolist() == batch.response_mask.tolist()  # ... but still scored
 
 
 def test_response_logits_predict_response_tokens():
@@ -97,8 +97,8 @@ def test_logprobs_of_a_padded_batch_equal_unpadded_forwards(tiny):
     """Token-in, token-out: the log-prob of each sampled token, read from the padded batch, is the one the
     model gives that token after exactly its own prompt and earlier response tokens."""
     from rlfactory.algos.common import token_logprobs
+    from rlfactory.engine.online.update import policy_forward
     from rlfactory.rollout.hf import HFBackend
-    from rlfactory.stages.online_update import policy_forward
 
     model, tokenizer = tiny
     prompts = _prompts(tokenizer, 3)

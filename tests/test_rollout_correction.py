@@ -69,7 +69,8 @@ def test_is_weights_scale_the_policy_gradient_in_the_actor_loss():
     """On-policy (old = current), ppo_clip's per-token loss is -A; token_truncate multiplies it by w. The actor
     loss with the correction equals the hand-weighted aggregate, and the on-policy forward is kept as the
     trainer's log-probs (for the mismatch metrics) without an extra pass."""
-    from rlfactory.stages.online_update import actor_loss_fn
+    from rlfactory.engine.online.update import actor_loss_fn
+    from rlfactory.rollout.batch import RolloutBatch
 
     logits = torch.zeros(2, 3, 4, requires_grad=True)
 
@@ -78,23 +79,26 @@ def test_is_weights_scale_the_policy_gradient_in_the_actor_loss():
             out = torch.cat([logits.new_zeros(2, input_ids.shape[1] - 3, 4), logits], 1)
             return type("Out", (), {"logits": out[:, -logits_to_keep:]})()
 
-    batch = {
-        "input_ids": torch.tensor([[1, 2, 3, 0], [1, 2, 3, 1]]),
-        "attention_mask": torch.ones(2, 4, dtype=torch.long),
-        "position_ids": torch.arange(4).repeat(2, 1),
-        "responses": torch.tensor([[2, 3], [2, 3]]),
-        "response_length": torch.tensor([2.0, 2.0]),
-        "loss_mask": torch.ones(2, 2),
-        "advantages": torch.tensor([[1.0, 1.0], [-1.0, -1.0]]),
-        "sampler_logprobs": torch.log(torch.tensor([[0.25 / 3, 0.25], [0.25, 0.5]])),  # uniform policy: 0.25
-    }
+    batch = RolloutBatch(
+        input_ids=torch.tensor([[1, 2, 3, 0], [1, 2, 3, 1]]),
+        attention_mask=torch.ones(2, 4, dtype=torch.long),
+        position_ids=torch.arange(4).repeat(2, 1),
+        responses=torch.tensor([[2, 3], [2, 3]]),
+        response_mask=torch.ones(2, 2),
+        loss_mask=torch.ones(2, 2),
+        response_length=torch.tensor([2.0, 2.0]),
+        truncated=torch.tensor([False, False]),
+        sampler_logprobs=torch.log(torch.tensor([[0.25 / 3, 0.25], [0.25, 0.5]])),  # uniform policy: 0.25
+        advantages=torch.tensor([[1.0, 1.0], [-1.0, -1.0]]),
+    )
     alg = AlgorithmConfig(adv_estimator="grpo", loss_agg="token-mean")
     loss_fn = actor_loss_fn(Model(), batch, alg, 1.0, 2, "token_truncate", 2.0)
     rows = torch.arange(2)
-    loss, metrics = loss_fn(rows, rows, rows)
+    part = loss_fn(rows, rows, rows)
+    loss, metrics = part.loss, part.metrics
     weights = torch.tensor([[2.0, 1.0], [1.0, 0.5]])  # ratios 3 (capped at 2), 1, 1, 0.5
-    assert float(loss) == pytest.approx(float((-batch["advantages"] * weights).mean()), abs=1e-6)
-    assert torch.allclose(batch["trainer_logprobs"], torch.full((2, 2), math.log(0.25)), atol=1e-6)
+    assert float(loss) == pytest.approx(float((-batch.advantages * weights).mean()), abs=1e-6)
+    assert torch.allclose(part.logprobs, torch.full((2, 2), math.log(0.25)), atol=1e-6)
     assert float(metrics["is_corrected_frac"]) == pytest.approx(0.25)
 
 

@@ -86,7 +86,7 @@ def test_ppo_full_finetuning_uses_a_frozen_reference(tmp_path: Path):
         critic={"warmup_steps": 0},
     )
     result, steps = _train(tmp_path, cfg)
-    assert "reference policy: frozen copy" in result.stderr
+    assert "reference model: frozen copy" in result.stderr
     assert "actor/kl_loss" in steps[0] and (Path(cfg["output_dir"]) / "critic" / "model.safetensors").is_file()
 
 
@@ -116,7 +116,7 @@ def test_ppo_raises_mean_reward(tmp_path: Path):
     ("change", "fragment"),
     [
         ({"reward": {"functions": {}}}, "stage ppo needs a reward source: set reward.functions or reward.reward_model"),
-        ({"algorithm": {"adv_estimator": "grpo"}}, "'grpo' needs none: use stage grpo for it"),
+        ({"algorithm": {"adv_estimator": "grpo"}}, "critic: algorithm.adv_estimator 'grpo' needs no values"),
         ({"critic": {"model_path": "no/such/critic"}}, "critic.model_path: 'no/such/critic' is not a directory"),
     ],
 )

@@ -81,13 +81,13 @@ def engine(request):
 
 def _trainer_vs_sampler(policy, prompts, completions, pad_id) -> tuple[float, float]:
     """(mean, max) |trainer log-prob - sampler log-prob| over the sampled tokens."""
-    from rlfactory.stages.online_update import policy_forward
+    from rlfactory.engine.online.update import policy_forward
 
     batch = pack_rollouts(prompts, completions, pad_id)
     policy.eval()
     with torch.no_grad():
         trainer, _ = policy_forward(policy, batch, torch.arange(len(prompts)))
-    diff = (trainer - batch["sampler_logprobs"]).abs()[batch["response_mask"] > 0]
+    diff = (trainer - batch.sampler_logprobs).abs()[batch.response_mask > 0]
     return float(diff.mean()), float(diff.max())
 
 

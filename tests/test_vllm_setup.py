@@ -40,7 +40,8 @@ def test_vllm_backend_without_vllm_is_one_clear_error(tmp_path: Path):
 
 def test_the_training_path_imports_vllm_lazily():
     code = (
-        "import sys; import rlfactory.cli, rlfactory.stages.online, rlfactory.rollout.base, rlfactory.rollout.vllm; "
+        "import sys; import rlfactory.cli, rlfactory.engine.online.loop, rlfactory.rollout.base, "
+        "rlfactory.rollout.vllm; "
         "print('vllm' in sys.modules)"
     )
     import subprocess

@@ -60,11 +60,11 @@ def _cfg(tmp: Path, mode: str, sleep: bool) -> dict:
 def _sync_check(mode: str, tmp: Path) -> dict:
     """Sync a perturbed policy into a sleeping engine; sampler vs trainer log-probs of the tokens it samples then,
     and vs the policy as it was before the perturbation (what a stale engine would match)."""
+    from rlfactory.engine.online.update import policy_forward
     from rlfactory.model.loader import load_model, load_tokenizer
     from rlfactory.render.chat import render_prompt
     from rlfactory.rollout.base import build_backend
     from rlfactory.rollout.batch import pack_rollouts
-    from rlfactory.stages.online_update import policy_forward
 
     torch.manual_seed(0)
     cfg = RunConfig.model_validate(_cfg(tmp, mode, sleep=True))
@@ -86,13 +86,13 @@ def _sync_check(mode: str, tmp: Path) -> dict:
     after = [c.token_ids for c in backend.generate(prompts, greedy)]
     batch = pack_rollouts(repeated, out, tokenizer.pad_token_id)
     batch = {k: v.cuda() for k, v in batch.items()}
-    mask = batch["response_mask"] > 0
+    mask = batch.response_mask > 0
     policy.eval()
 
     def diff() -> torch.Tensor:
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
             trainer, _ = policy_forward(policy, batch, torch.arange(len(out), device="cuda"))
-        return (trainer - batch["sampler_logprobs"]).abs()[mask]
+        return (trainer - batch.sampler_logprobs).abs()[mask]
 
     synced = diff()
     with torch.no_grad():

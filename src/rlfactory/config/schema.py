@@ -246,8 +246,10 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "kto": ("kto",),
     "orpo": ("orpo",),
     "ppo": ("rollout", "reward", "algorithm", "critic", "agent"),
-    "grpo": ("rollout", "reward", "algorithm", "agent"),
+    "grpo": ("rollout", "reward", "algorithm", "critic", "agent"),
 }
+# sections left empty unless given: the RL recipe fills ``critic`` when the estimator needs values (a trait)
+OPTIONAL_SECTIONS = {"critic"}
 SECTION_CLASSES: dict[str, type[Section]] = {
     "rm": RMConfig,
     "dpo": DPOConfig,
@@ -286,7 +288,11 @@ class RunConfig(Section):
     rollout: RolloutConfig | None = Field(None, description="Stages ppo and grpo only.")
     reward: RewardConfig | None = Field(None, description="Stages ppo and grpo only.")
     algorithm: AlgorithmConfig | None = Field(None, description="Stages ppo and grpo only.")
-    critic: CriticConfig | None = Field(None, description="Stage ppo only.")
+    critic: CriticConfig | None = Field(
+        None,
+        description="Stages ppo and grpo: the value model, trained exactly when algorithm.adv_estimator needs "
+        "values (gae); its defaults apply when the section is left out.",
+    )
     tools: list[ToolSpec] = Field(
         default_factory=list,
         description="ppo/grpo: tools the model may call, run in the agent loop; their schemas go into the chat "
@@ -302,7 +308,7 @@ class RunConfig(Section):
         own = STAGE_SECTIONS[self.stage]
         for section, cls in SECTION_CLASSES.items():
             value = getattr(self, section)
-            if section in own and value is None:
+            if section in own and value is None and section not in OPTIONAL_SECTIONS:
                 object.__setattr__(self, section, cls())
             elif section not in own and value is not None:
                 users = [s for s, secs in STAGE_SECTIONS.items() if section in secs]
@@ -319,21 +325,19 @@ class RunConfig(Section):
             raise ValueError("model.name_or_path is required (a local model directory or a hub id)")
         if not self.data.dataset:
             raise ValueError("data.dataset is required: name at least one dataset from dataset_info.yaml")
-        if self.stage in ("ppo", "grpo"):
-            assert self.reward is not None and self.rollout is not None
+        if self.rollout is not None:  # an online stage (its sections were filled above)
+            assert self.reward is not None
             if not self.reward.functions and not self.reward.reward_model:
                 raise ValueError(
                     f"stage {self.stage} needs a reward source: set reward.functions or reward.reward_model"
                 )
-            if self.stage == "grpo" and self.rollout.num_samples < 2:
-                raise ValueError("grpo compares samples of the same prompt: rollout.num_samples must be >= 2")
             if self.rollout.is_correction != "none" and self.rollout.backend != "vllm":
                 raise ValueError(
                     f"rollout.is_correction '{self.rollout.is_correction}' corrects for a separate sampler: it needs "
                     "rollout.backend: vllm (the hf backend samples with the policy itself); set it to none"
                 )
             self._online_rules()
-        if self.tools and self.stage not in ("ppo", "grpo"):
+        if self.tools and self.rollout is None:
             raise ValueError(
                 f"tools: stage {self.stage} trains on recorded conversations; it reads tool schemas from the "
                 "dataset's tools column (columns: {tools: <column>}). Remove `tools:` (it is for ppo/grpo rollouts)"
@@ -343,7 +347,8 @@ class RunConfig(Section):
         return self
 
     def _online_rules(self) -> None:
-        """ppo/grpo: the estimator default per stage; online stages batch by rollout, not by accumulation."""
+        """ppo/grpo: the estimator default per stage (the one thing the two names choose); online stages batch by
+        rollout, not by accumulation."""
         assert self.algorithm is not None and self.rollout is not None
         if self.algorithm.adv_estimator is None:
             self.algorithm.adv_estimator = "gae" if self.stage == "ppo" else "grpo"

@@ -20,6 +20,13 @@ _ANSWER_RE = re.compile(r"answer is\s*:?\s*\$?(-?[\d,]*\.?\d+)", re.IGNORECASE)
 _NUMBER_RE = re.compile(r"-?\d[\d,]*\.?\d*")
 
 
+def metric_score(name: str, prompt: str, completion: str, answer: str | None, example: dict[str, Any]) -> float:
+    """A generation's score under the reward function ``name`` used as an evaluation metric (a dict result is
+    summed): the one scorer of every stage's before/after generation line."""
+    value = REWARD_FUNCTIONS.get(name)(prompt, completion, answer, example)
+    return float(sum(value.values()) if isinstance(value, dict) else value)
+
+
 def extract_final_answer(text: str) -> str | None:
     """The number after the last "answer is", else the last number in the text.
 

@@ -19,13 +19,16 @@ import asyncio
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlfactory.envs.base import Env, StepResult
 from rlfactory.render.chat import stop_strings
 from rlfactory.render.glue import ObservationGlue
-from rlfactory.rollout.base import Completion, SamplingParams
+from rlfactory.rollout.base import Completion, GenerationBackend, SamplingParams
 from rlfactory.tools.parsers import TOOL_PARSERS, ParsedTurn, ToolCall, validate_calls
+
+if TYPE_CHECKING:
+    from rlfactory.config.schema import RunConfig
 
 
 @dataclass
@@ -184,3 +187,115 @@ class AgentLoop:
         reason = "length" if conv.finish == "length" else "stop"
         completion = Completion(conv.ids, reason, conv.logprobs, conv.mask)  # type: ignore[arg-type]
         return AgentResult(completion, conv.final_text, conv.turns, conv.messages, conv.finish, conv.reward_parts)
+
+
+# --------------------------------------------------------------------------- the online loop's side
+def agent_enabled(cfg: RunConfig) -> bool:
+    """Multi-turn rollouts replace single-turn generation when tools are declared or ``agent.env`` is set."""
+    return bool(cfg.tools) or bool(cfg.agent is not None and cfg.agent.env)
+
+
+def prepare_tool_examples(cfg: RunConfig, examples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Load and check the declared tools (before any model loads); rows without ``tools`` get their schemas,
+    rows with their own may only offer declared tools. Returns the tools by name."""
+    from rlfactory.tools.spec import check_example_tools, load_tools
+
+    tools = load_tools(cfg.tools)
+    check_example_tools(examples, tools)
+    schemas = [tool.schema for tool in tools.values()]
+    for example in examples:
+        if not example.get("tools") and schemas:
+            example["tools"] = schemas
+    if cfg.agent is not None:
+        TOOL_PARSERS.get(cfg.agent.parser)
+    return tools
+
+
+class Rollouts:
+    """What the online loop samples with: a generation backend, through the agent loop when one is configured.
+
+    ``generate`` gives the same thing either way: one ``Completion`` per sample (one token sequence, mask 1 only
+    on sampled tokens), so packing, advantages and the policy loss do not know whether tools ran. Rewards see
+    the last assistant turn as the completion (``finals``) and the episode as ``example["agent"]``.
+    """
+
+    def __init__(self, backend: GenerationBackend, agent: AgentLoop | None):
+        self.backend, self.agent = backend, agent
+
+    @property
+    def syncs_weights(self) -> bool:
+        return self.backend.syncs_weights
+
+    def generate(
+        self, examples: list[dict], params: SamplingParams
+    ) -> tuple[list[Completion], list[str | None], list[dict]]:
+        """(completions, final texts or None for single-turn, examples as rewards see them)."""
+        if self.agent is None:
+            return (
+                self.backend.generate([ex["prompt_ids"] for ex in examples], params),
+                [None] * len(examples),
+                examples,
+            )
+        results = self.agent.run(examples, params)
+        return (
+            [r.completion for r in results],
+            [r.final_text for r in results],
+            [{**ex, "agent": r.summary()} for ex, r in zip(examples, results, strict=True)],
+        )
+
+    def sync_weights(self, model: Any) -> None:
+        self.backend.sync_weights(model)
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def build_rollouts(cfg: RunConfig, model: Any, tokenizer: Any) -> Rollouts:
+    """The run's backend (``rollout.backend``), wrapped in the agent loop when tools or an env are configured."""
+    from rlfactory.envs.base import build_env_factory
+    from rlfactory.rollout.base import build_backend
+    from rlfactory.tools.execute import ExecLimits
+    from rlfactory.tools.spec import load_tools
+
+    backend = build_backend(cfg, model, tokenizer)
+    if not agent_enabled(cfg):
+        return Rollouts(backend, None)
+    ag = cfg.agent
+    assert ag is not None
+    tools = load_tools(cfg.tools)
+    limits = ExecLimits(ag.tool_timeout_s, ag.max_concurrency, ag.tool_memory_mb, ag.max_tool_response_chars)
+    factory = build_env_factory(ag.env or "tools", tools, limits, ag.env_args)
+    settings = AgentSettings(ag.max_turns, ag.parser, ag.max_tokens_per_turn)
+    return Rollouts(backend, AgentLoop(backend, tokenizer, tools, settings, factory))
+
+
+def episode_metrics(examples: list[dict], prefix: str = "") -> dict[str, float]:
+    """num_turns/{mean,max}, tool_calls/mean, tool_errors/rate, invalid_calls/rate, tool_calls/<tool> (counts),
+    finish/<reason> (fractions) over the samples of a step; {} for single-turn samples."""
+    episodes = [ex["agent"] for ex in examples if "agent" in ex]
+    if not episodes:
+        return {}
+    turns = [len(ep["turns"]) for ep in episodes]
+    calls = [call for ep in episodes for turn in ep["turns"] for call in turn["calls"]]
+    executed = [c for c in calls if c["error_kind"] is None]
+    out = {
+        "num_turns/mean": sum(turns) / len(turns),
+        "num_turns/max": float(max(turns)),
+        "tool_calls/mean": len(calls) / len(episodes),
+        "tool_errors/rate": sum(c.get("tool_error") is not None for c in executed) / max(len(executed), 1),
+        "invalid_calls/rate": (len(calls) - len(executed)) / max(len(calls), 1),
+    }
+    for call in executed:
+        key = f"tool_calls/{call['name']}"
+        out[key] = out.get(key, 0.0) + 1.0
+    for ep in episodes:
+        key = f"finish/{ep['finish']}"
+        out[key] = out.get(key, 0.0) + 1.0 / len(episodes)
+    return {f"{prefix}{k}": v for k, v in out.items()}
+
+
+def episode_trace_fields(example: dict) -> dict[str, Any]:
+    """Extra fields of a rollout trace line: how the episode ended and every turn (text, calls, results)."""
+    if "agent" not in example:
+        return {}
+    return {"finish": example["agent"]["finish"], "turns": example["agent"]["turns"]}

@@ -14,8 +14,8 @@ STAGE_MODULES: dict[str, tuple[str, str]] = {
     "dpo": ("rlfactory.stages.dpo", "pairwise"),
     "kto": ("rlfactory.stages.kto", "unpaired"),  # also takes ranking data: each pair gives one of each label
     "orpo": ("rlfactory.stages.orpo", "pairwise"),
-    "ppo": ("rlfactory.stages.ppo", "prompt"),
-    "grpo": ("rlfactory.stages.grpo", "prompt"),
+    "ppo": ("rlfactory.stages.rl", "prompt"),  # ppo and grpo: one recipe, a default estimator each
+    "grpo": ("rlfactory.stages.rl", "prompt"),
 }
 PLANNED: dict[str, str] = {}
 # stages that also take ranking (chosen/rejected) datasets: kto splits each pair into one example per label

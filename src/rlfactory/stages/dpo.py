@@ -21,7 +21,7 @@ import torch
 
 from rlfactory.algos.preference import PREFERENCE_LOSSES, preference_metrics
 from rlfactory.config.schema import DPOConfig, RunConfig
-from rlfactory.engine.trainer import Batch, StageParts, train
+from rlfactory.engine.offline import Batch, StageParts, train
 from rlfactory.errors import UserError, did_you_mean
 from rlfactory.stages import common, preference_data, reference
 from rlfactory.stages.preference_data import PAIR_ACCURACY, collate_pairs, forward_logps

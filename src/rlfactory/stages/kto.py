@@ -25,7 +25,7 @@ import torch
 
 from rlfactory.algos.preference import PREFERENCE_LOSSES
 from rlfactory.config.schema import KTOConfig, RunConfig
-from rlfactory.engine.trainer import Batch, StageParts, train
+from rlfactory.engine.offline import Batch, StageParts, train
 from rlfactory.errors import UserError
 from rlfactory.stages import common, preference_data, reference
 from rlfactory.stages.preference_data import fit_prompt, forward_logps, pad_rows, warn_truncation

@@ -19,7 +19,7 @@ import torch
 
 from rlfactory.algos.preference import PREFERENCE_LOSSES, preference_metrics
 from rlfactory.config.schema import ORPOConfig, RunConfig
-from rlfactory.engine.trainer import Batch, StageParts, train
+from rlfactory.engine.offline import Batch, StageParts, train
 from rlfactory.stages import common, preference_data
 from rlfactory.stages.dpo import count_pairs
 from rlfactory.stages.preference_data import PAIR_ACCURACY, collate_pairs, forward_logps

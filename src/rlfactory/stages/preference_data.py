@@ -20,7 +20,7 @@ import torch
 
 from rlfactory.algos.common import masked_sum, token_logprobs
 from rlfactory.config.schema import RunConfig
-from rlfactory.engine.trainer import Batch
+from rlfactory.engine.offline import Batch
 from rlfactory.errors import UserError
 from rlfactory.render.chat import render_continuation
 from rlfactory.stages import common

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from rlfactory.config.schema import RunConfig
-from rlfactory.engine.trainer import Batch
+from rlfactory.engine.offline import Batch
 from rlfactory.stages.preference_data import forward_logps, run_device
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from rlfactory.config.schema import RMConfig, RunConfig
-from rlfactory.engine.trainer import Batch, StageParts, train
+from rlfactory.engine.offline import Batch, StageParts, train
 from rlfactory.errors import UserError
 from rlfactory.stages import common, preference_data
 from rlfactory.stages.dpo import count_pairs

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from rlfactory.config.schema import RunConfig
-from rlfactory.engine.trainer import Batch, StageParts, train
+from rlfactory.engine.offline import Batch, StageParts, train
 from rlfactory.errors import UserError
 from rlfactory.render.chat import IGNORE_INDEX
 from rlfactory.stages import common

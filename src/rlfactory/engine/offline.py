@@ -12,9 +12,6 @@ gradient as batch 8 x accumulation 1.
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import json
 import logging
 import math
 import time
@@ -28,6 +25,19 @@ import torch
 
 from rlfactory.config.schema import RunConfig
 from rlfactory.engine import run_dir
+from rlfactory.engine.shared import (
+    autocast_forward,
+    build_accelerator,
+    clip_grad_norm,
+    init_trackers,
+    keep_trainable_weights,
+    load_checkpoint,
+    log_record,
+    make_optimizer,
+    make_scheduler,
+    prepare_model,
+    save_checkpoint,
+)
 from rlfactory.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -55,94 +65,6 @@ class TrainResult:
     saved_as: str
     last_metrics: dict[str, float]
     eval_metrics: dict[str, float]
-
-
-def _mixed_precision(choice: str) -> str:
-    if choice != "auto":
-        return choice
-    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-
-
-def build_accelerator(cfg: RunConfig) -> Any:
-    from accelerate import Accelerator, DeepSpeedPlugin
-    from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
-
-    trackers = [t for t in cfg.logging.report_to if t != "none"]
-    for tracker in trackers:
-        if importlib.util.find_spec("tensorboard" if tracker == "tensorboard" else tracker) is None:
-            raise UserError(f"logging.report_to: {tracker} is not installed; `pip install {tracker}` or remove it")
-    plugin = None
-    if cfg.train.deepspeed:
-        if not Path(cfg.train.deepspeed).is_file():
-            raise UserError(f"train.deepspeed: file '{cfg.train.deepspeed}' does not exist")
-        plugin = DeepSpeedPlugin(
-            hf_ds_config=cfg.train.deepspeed, gradient_accumulation_steps=cfg.train.grad_accum_steps
-        )
-    return Accelerator(
-        mixed_precision=_mixed_precision(cfg.train.mixed_precision),
-        # windows never span epochs (see _steps_per_epoch), so Accelerate's counter stays aligned
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=cfg.train.grad_accum_steps, sync_with_dataloader=False
-        ),
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-        deepspeed_plugin=plugin,
-        log_with=trackers or None,
-        project_dir=cfg.output_dir,
-        cpu=not torch.cuda.is_available(),
-    )
-
-
-def _optimizer(model: Any, cfg: RunConfig) -> torch.optim.Optimizer:
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
-    if not decay and not no_decay:
-        raise UserError("no trainable parameters: check model.finetuning and the lora/freeze sections")
-    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    betas = (cfg.train.adam_beta1, cfg.train.adam_beta2)
-    # fused AdamW (one kernel for all tensors) on CUDA, as transformers' Trainer defaults to
-    fused = torch.cuda.is_available() and all(p.is_floating_point() for g in groups for p in g["params"])
-    return torch.optim.AdamW(groups, lr=cfg.train.learning_rate, betas=betas, fused=fused or None)
-
-
-def compile_layers(model: Any) -> int:
-    """``torch.compile`` every block of the model's repeated layer stacks (a ``ModuleList`` named ``layers``).
-
-    Per layer rather than the whole model, as torchtune does: one graph serves all layers, compile time stays
-    short, and the parts around the stack (mask building, the chunked LM head, PEFT's adapter switch) stay
-    eager. Models without such a stack are compiled whole. Returns how many modules were compiled.
-    """
-    stacks = [m for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and name.endswith("layers")]
-    blocks = [block for stack in stacks for block in stack]
-    for block in blocks or [model]:
-        block.compile()
-    return len(blocks) or 1
-
-
-def autocast_forward(accelerator: Any, model: Any) -> contextlib.ExitStack:
-    """``accelerator.autocast()`` for a forward, and with it PEFT adapters take their input as it comes.
-
-    PEFT keeps LoRA weights in float32 on a bf16 model and casts each adapter's input to float32; under autocast
-    the adapter's matmul casts it straight back to bf16, and that copy is what autograd saves, one per adapted
-    linear: 1.3 GB of a 0.5B model's activations at 8k tokens, uncompiled (H100, docs/BENCHMARKS.md). Without the
-    cast the values are the same and the adapter saves the input the base layer already holds.
-    """
-    stack = contextlib.ExitStack()
-    stack.enter_context(accelerator.autocast())
-    if accelerator.mixed_precision in ("bf16", "fp16") and hasattr(accelerator.unwrap_model(model), "peft_config"):
-        from peft.helpers import disable_input_dtype_casting
-
-        stack.enter_context(disable_input_dtype_casting(model))
-    return stack
-
-
-def _keep_trainable_weights(models: list[Any], weights: list[dict], _output_dir: str) -> None:
-    """Checkpoint only trainable tensors (a LoRA checkpoint then holds the adapter, not the base model)."""
-    for model, state in zip(models, weights, strict=False):
-        names = {name for name, param in model.named_parameters() if param.requires_grad}
-        for key in [k for k in state if k not in names]:
-            del state[key]
 
 
 def _batch_tokens(batch: Batch) -> Any:
@@ -226,7 +148,6 @@ def _setup(cfg: RunConfig, model: Any, parts: StageParts) -> _Setup:
     """Accelerator, data loaders, optimizer and LR schedule, all passed through ``accelerator.prepare``."""
     from accelerate.utils import set_seed
     from torch.utils.data import DataLoader
-    from transformers import get_scheduler
 
     accelerator = build_accelerator(cfg)
     set_seed(cfg.seed)
@@ -238,28 +159,15 @@ def _setup(cfg: RunConfig, model: Any, parts: StageParts) -> _Setup:
     per_process_batches = math.ceil(len(loader) / accelerator.num_processes)
     steps_per_epoch = _steps_per_epoch(per_process_batches, cfg.train.grad_accum_steps, len(parts.train_examples), cfg)
     total_steps = cfg.train.max_steps or max(1, math.ceil(steps_per_epoch * cfg.train.num_epochs))
-    if cfg.train.torch_compile:
-        from rlfactory.algos import common
-
-        common.COMPILE_HEAD = True  # sft's chunked LM-head loss: one fused kernel per chunk
-        log.info("torch.compile: %d decoder layers", compile_layers(model))
-    optimizer = _optimizer(model, cfg)
-    scheduler = get_scheduler(
-        cfg.train.lr_scheduler,
-        optimizer,
-        num_warmup_steps=cfg.train.warmup_steps or math.ceil(cfg.train.warmup_ratio * total_steps),
-        num_training_steps=total_steps,
-        scheduler_specific_kwargs={"min_lr_rate": 0.1} if "min_lr" in cfg.train.lr_scheduler else None,
+    optimizer = make_optimizer(model, cfg.train.learning_rate, cfg.train)
+    scheduler = make_scheduler(optimizer, cfg.train, total_steps)
+    model, optimizer, loader, scheduler = prepare_model(
+        accelerator, model, optimizer, loader, scheduler, torch_compile=cfg.train.torch_compile
     )
-    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     if eval_loader is not None:
         eval_loader = accelerator.prepare(eval_loader)
-    # Accelerate's bf16 wrapper copies every output to fp32 -- with a 150k vocabulary that is a 5 GB logits
-    # tensor per micro-batch. Remove it and autocast the loss ourselves (`accelerator.autocast()` below).
-    accelerator.unwrap_model(model, keep_fp32_wrapper=False)
-    accelerator.register_save_state_pre_hook(_keep_trainable_weights)
-    if accelerator.log_with:
-        accelerator.init_trackers(cfg.name or cfg.stage, config=json.loads(cfg.model_dump_json()))
+    accelerator.register_save_state_pre_hook(keep_trainable_weights)
+    init_trackers(accelerator, cfg)
     return _Setup(accelerator, model, optimizer, scheduler, loader, eval_loader, steps_per_epoch, total_steps)
 
 
@@ -281,7 +189,7 @@ def _train_window(s: _Setup, cfg: RunConfig, parts: StageParts, window: list[Bat
             meter.add(metrics)
             tokens += _batch_tokens(batch)
             if acc.sync_gradients:
-                grad_norm = _clip(acc, s.model, cfg.train.max_grad_norm)
+                grad_norm = clip_grad_norm(acc, s.model, cfg.train.max_grad_norm)
                 s.optimizer.step()
                 s.scheduler.step()
                 s.optimizer.zero_grad()
@@ -297,11 +205,9 @@ def train(cfg: RunConfig, model: Any, tokenizer: Any, parts: StageParts, resume_
     acc, out, accum = s.accelerator, Path(cfg.output_dir), cfg.train.grad_accum_steps
     step, epoch, skip_batches = 0, 0, 0
     if resume_from is not None:
-        state = json.loads((resume_from / "trainer_state.json").read_text())
-        acc.load_state(str(resume_from), strict=False)
+        state = load_checkpoint(acc, resume_from, out)
         step, epoch = state["global_step"], state["epoch"]
         skip_batches = (step - epoch * s.steps_per_epoch) * accum
-        run_dir.truncate_log(out, step)
         acc.print(f"resumed from {resume_from} at step {step}")
     acc.print(
         f"stage {cfg.stage}: {len(parts.train_examples)} examples, {s.steps_per_epoch} steps/epoch, "
@@ -313,7 +219,7 @@ def train(cfg: RunConfig, model: Any, tokenizer: Any, parts: StageParts, resume_
     meter, eval_metrics, last_metrics = _Meter(), {}, {}
     clock = _Clock(step)
     if s.eval_loader is not None and resume_from is None:  # step-0 eval: the baseline the curve starts from
-        _log_record(acc, out, {"step": 0, **evaluate(acc, s.model, s.eval_loader, parts)})
+        log_record(acc, out, {"step": 0, **evaluate(acc, s.model, s.eval_loader, parts)})
     s.model.train()
     while step < s.total_steps:
         s.loader.set_epoch(epoch)
@@ -332,19 +238,19 @@ def train(cfg: RunConfig, model: Any, tokenizer: Any, parts: StageParts, resume_
                     "lr": s.scheduler.get_last_lr()[0],
                     **clock.lap(step, s.total_steps, acc.num_processes),
                 }
-                _log_record(acc, out, record)
+                log_record(acc, out, record)
                 bar.set_postfix(loss=f"{last_metrics.get('loss', float('nan')):.4f}")
             if s.eval_loader is not None and cfg.train.eval_steps and step % cfg.train.eval_steps == 0:
                 eval_metrics = evaluate(acc, s.model, s.eval_loader, parts)
-                _log_record(acc, out, {"step": step, **eval_metrics})
+                log_record(acc, out, {"step": step, **eval_metrics})
             if cfg.train.save_steps and step % cfg.train.save_steps == 0 and step < s.total_steps:
-                _save_checkpoint(acc, cfg, out, step, epoch)
+                save_checkpoint(acc, out, step, {"epoch": epoch}, cfg.train.save_total_limit)
         if step - epoch * s.steps_per_epoch >= s.steps_per_epoch:
             epoch += 1
     bar.close()
     if s.eval_loader is not None and not (cfg.train.eval_steps and step % cfg.train.eval_steps == 0):
         eval_metrics = evaluate(acc, s.model, s.eval_loader, parts)
-        _log_record(acc, out, {"step": step, **eval_metrics})
+        log_record(acc, out, {"step": step, **eval_metrics})
     return _finish(acc, cfg, s.model, tokenizer, out, step, last_metrics, eval_metrics)
 
 
@@ -364,32 +270,6 @@ class _Clock:
         }
         self.last, self.tokens = now, 0
         return out
-
-
-def _clip(accelerator: Any, model: Any, max_norm: float | None) -> Any:
-    if max_norm is not None:
-        norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
-    else:
-        grads = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
-        norm = torch.stack(grads).norm() if grads else None
-    return norm  # a tensor: read at log time, not here
-
-
-def _log_record(accelerator: Any, out: Path, record: dict[str, Any]) -> None:
-    if accelerator.is_main_process:
-        run_dir.append_log(out, record)
-    if accelerator.log_with:
-        accelerator.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
-
-
-def _save_checkpoint(accelerator: Any, cfg: RunConfig, out: Path, step: int, epoch: int) -> None:
-    path = out / f"{run_dir.CHECKPOINT_PREFIX}{step}"
-    accelerator.save_state(str(path))
-    if accelerator.is_main_process:
-        # written last: a checkpoint without trainer_state.json is incomplete and never resumed from
-        (path / "trainer_state.json").write_text(json.dumps({"global_step": step, "epoch": epoch}))
-        run_dir.rotate_checkpoints(out, cfg.train.save_total_limit)
-    accelerator.wait_for_everyone()
 
 
 def _finish(

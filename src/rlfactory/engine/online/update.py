@@ -1,4 +1,4 @@
-"""The tensor side of an online step, on a packed rollout batch (layout: ``rollout.batch``).
+"""The tensor side of an online step, on a packed :class:`RolloutBatch` (layout: ``rollout.batch``).
 
 Forward passes (policy log-probs, critic values), token rewards and advantages, and the actor /
 critic updates: ``algorithm.ppo_epochs`` passes over the batch, each split into
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,10 +24,10 @@ import torch.nn.functional as F
 
 from rlfactory.algos.common import entropy_from_logits, masked_mean, masked_var, token_logprobs
 from rlfactory.config.schema import AlgorithmConfig
-from rlfactory.engine.trainer import autocast_forward
-from rlfactory.rollout.batch import response_logits
+from rlfactory.engine.shared import autocast_forward, clip_grad_norm
+from rlfactory.rollout.batch import RolloutBatch, response_logits
 
-Batch = dict[str, torch.Tensor]
+Batch = RolloutBatch
 
 
 def _trimmed(batch: Batch, rows: torch.Tensor, width: int | None = None) -> tuple[dict[str, torch.Tensor], int]:
@@ -35,17 +36,17 @@ def _trimmed(batch: Batch, rows: torch.Tensor, width: int | None = None) -> tupl
     ``width``: the rows' longest response, when the caller knows it from host-side lengths. Reading it from
     the device here would be a GPU sync per micro-batch, which stops the CPU from queueing the next one.
     """
-    width_r = max(1, width if width is not None else int(batch["response_length"][rows].max()))
-    end = batch["input_ids"].shape[1] - batch["responses"].shape[1] + width_r
-    inputs = {k: batch[k][rows, :end] for k in ("input_ids", "attention_mask", "position_ids")}
+    width_r = max(1, width if width is not None else int(batch.response_length[rows].max()))
+    end = batch.input_ids.shape[1] - batch.responses.shape[1] + width_r
+    inputs = {k: getattr(batch, k)[rows, :end] for k in ("input_ids", "attention_mask", "position_ids")}
     return inputs, width_r
 
 
 def _to_full_width(values: torch.Tensor, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
     """(b, r) -> (b, R): zeros after each row's response (padding holds no number that could leak)."""
-    valid = torch.arange(values.shape[1], device=values.device)[None] < batch["response_length"][rows][:, None]
+    valid = torch.arange(values.shape[1], device=values.device)[None] < batch.response_length[rows][:, None]
     values = torch.where(valid, values, torch.zeros_like(values))
-    return F.pad(values, (0, batch["responses"].shape[1] - values.shape[1]))
+    return F.pad(values, (0, batch.responses.shape[1] - values.shape[1]))
 
 
 def policy_forward(
@@ -65,7 +66,7 @@ def policy_forward(
     logits = model(**inputs, use_cache=False, logits_to_keep=width_r + 1).logits[:, :-1]
     if temperature != 1.0:
         logits = logits / temperature
-    logprobs = token_logprobs(logits, batch["responses"][rows, :width_r])
+    logprobs = token_logprobs(logits, batch.responses[rows, :width_r])
     ent = None
     if entropy != "none":
         with torch.set_grad_enabled(entropy == "loss" and torch.is_grad_enabled()):
@@ -88,8 +89,8 @@ def micro_batches(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
 def full_pass(fn: Callable[[torch.Tensor, int], torch.Tensor], batch: Batch, size: int) -> torch.Tensor:
     """``fn(rows, width) -> (b, R)`` over the whole batch in micro-batches (no gradient); ``width`` is the
     micro-batch's longest response, read from the host once for the whole pass."""
-    lengths = batch["response_length"].long().tolist()
-    rows = torch.arange(len(lengths), device=batch["responses"].device)
+    lengths = batch.response_length.long().tolist()
+    rows = torch.arange(len(lengths), device=batch.responses.device)
     return torch.cat(
         [
             fn(chunk, max(lengths[i : i + size])).float()
@@ -100,10 +101,11 @@ def full_pass(fn: Callable[[torch.Tensor, int], torch.Tensor], batch: Batch, siz
 
 def token_rewards(batch: Batch, kl_penalty: torch.Tensor | None, kl_coef: float) -> torch.Tensor:
     """(B, R): the sequence score on the last response token, minus ``kl_coef * KL`` on every response token."""
-    mask = batch["response_mask"]
+    assert batch.scores is not None
+    mask = batch.response_mask
     rewards = torch.zeros_like(mask)
-    last = (batch["response_length"].long() - 1).clamp(min=0)
-    rewards[torch.arange(mask.shape[0]), last] = batch["scores"]
+    last = (batch.response_length.long() - 1).clamp(min=0)
+    rewards[torch.arange(mask.shape[0]), last] = batch.scores
     if kl_penalty is not None and kl_coef > 0:
         rewards = rewards - kl_coef * kl_penalty * mask
     return rewards
@@ -115,10 +117,10 @@ def advantages(batch: Batch, alg: AlgorithmConfig) -> tuple[torch.Tensor, torch.
 
     estimator = ADV_ESTIMATORS.get(str(alg.adv_estimator))
     return estimator(
-        batch["token_rewards"],
-        batch["response_mask"],
-        index=batch["group"],
-        values=batch.get("values"),
+        batch.token_rewards,
+        batch.response_mask,
+        index=batch.group,
+        values=batch.values,
         gamma=alg.gamma,
         lam=alg.lam,
         config={"scale": alg.grpo_scale},
@@ -138,25 +140,48 @@ def _part(agg: Callable, per_token: torch.Tensor, mini_mask: torch.Tensor, pos: 
     return agg(full, mini_mask, max_response_length=max_len)
 
 
+@dataclass
+class LossPart:
+    """A micro-batch's share of a loss, its metrics (device tensors), and for the actor with a separate sampler
+    the trainer's log-probs of its rows (pi_old of a single on-policy update, for the mismatch metrics)."""
+
+    loss: torch.Tensor
+    metrics: dict[str, Any]
+    logprobs: torch.Tensor | None = None  # (b, R), detached
+
+
+@dataclass
+class UpdateResult:
+    metrics: dict[str, float]  # "<prefix>/<name>", averaged over the optimizer steps
+    logprobs: torch.Tensor | None = None  # (B, R) trainer log-probs of each row as first seen (NaN: never seen)
+
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], LossPart]  # (rows, pos, mini_rows, width)
+
+
 class Updater:
-    """Runs the mini-batch epochs for one model; ``loss_fn(rows, pos, mini_rows, width) -> (loss part, metrics)``
-    (``width``: the micro-batch's longest response)."""
+    """One trained model: its optimizer steps over the mini-batch epochs of a rollout batch.
+
+    ``loss_fn(rows, pos, mini_rows, width) -> LossPart``: ``rows`` index the batch, ``pos`` the micro-batch's
+    places in its mini-batch ``mini_rows``, ``width`` is the micro-batch's longest response.
+    """
 
     def __init__(self, accelerator: Any, model: Any, optimizer: Any, scheduler: Any, max_grad_norm: float | None):
         self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
         self.max_grad_norm = max_grad_norm
 
-    def run(self, batch: Batch, alg: AlgorithmConfig, micro: int, mask_key: str, loss_fn: Callable, prefix: str):
-        from rlfactory.engine.online import grad_norm
-
+    def run(
+        self, batch: Batch, alg: AlgorithmConfig, micro: int, mask: torch.Tensor, loss_fn: LossFn, prefix: str
+    ) -> UpdateResult:
         # metrics stay device tensors until the end of the step: a float() per micro-batch is a GPU sync that
         # stops the CPU from queueing the next micro-batch's kernels
         sums: dict[str, list[Any]] = defaultdict(list)
-        device = batch["responses"].device
+        seen: torch.Tensor | None = None
+        device = batch.responses.device
         # row order, lengths and which mini-batches have tokens live on the host: every micro-batch's shape is
         # known without asking the GPU, so the CPU queues micro-batches back to back (one sync per call)
-        lengths = batch["response_length"].long().cpu()
-        has_tokens = (batch[mask_key].sum(-1) > 0).cpu()
+        lengths = batch.response_length.long().cpu()
+        has_tokens = (mask.sum(-1) > 0).cpu()
         for _ in range(alg.ppo_epochs):
             order = torch.randperm(len(lengths))
             order_on_device = (order.pin_memory() if device.type == "cuda" else order).to(device, non_blocking=True)
@@ -171,12 +196,18 @@ class Updater:
                 for start in range(0, len(mini_host), micro):
                     pos = torch.arange(start, min(start + micro, len(mini_host)), device=device)
                     width = int(lengths[mini_host[start : start + micro]].max())
+                    rows = mini_rows[pos]
                     with autocast_forward(self.accelerator, self.model):
-                        loss, metrics = loss_fn(mini_rows[pos], pos, mini_rows, width)
-                    self.accelerator.backward(loss)
-                    for key, value in metrics.items():
+                        part = loss_fn(rows, pos, mini_rows, width)
+                    self.accelerator.backward(part.loss)
+                    if part.logprobs is not None:
+                        if seen is None:
+                            seen = torch.full(batch.responses.shape, float("nan"), device=device)
+                        seen[rows] = part.logprobs
+                    for key, value in part.metrics.items():
                         mini[key] = mini[key] + (value.detach().float() if torch.is_tensor(value) else value)
-                mini["grad_norm"] = grad_norm(self.accelerator, self.model, self.max_grad_norm)
+                norm = clip_grad_norm(self.accelerator, self.model, self.max_grad_norm)
+                mini["grad_norm"] = 0.0 if norm is None else norm
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
@@ -184,7 +215,7 @@ class Updater:
                     sums[key].append(value)
         metrics = {f"{prefix}/{k}": float(sum(v)) / len(v) for k, v in sums.items()}
         metrics[f"{prefix}/lr"] = self.scheduler.get_last_lr()[0]
-        return metrics
+        return UpdateResult(metrics, seen)
 
 
 def actor_loss_fn(
@@ -195,13 +226,13 @@ def actor_loss_fn(
     max_len: int,
     is_correction: str = "none",
     is_threshold: float = 2.0,
-) -> Callable:
+) -> LossFn:
     """The actor's micro-batch loss: policy loss + kl_loss_coef * KL - entropy_coef * entropy, each aggregated.
 
-    With a separate sampler (``batch["sampler_logprobs"]`` present), the policy-gradient term is weighted by
-    the ``rollout.is_correction`` entry (pi_old / pi_sampler importance weights). With one on-policy update
-    the forward of each row's first pass is the trainer's pi_old: it is kept in ``batch["trainer_logprobs"]``
-    for the mismatch metrics, so no extra log-prob pass is spent on them.
+    With a separate sampler (``batch.sampler_logprobs`` set), the policy-gradient term is weighted by the
+    ``rollout.is_correction`` entry (pi_old / pi_sampler importance weights). With one on-policy update the
+    forward of each row's first pass is the trainer's pi_old: it is returned (``LossPart.logprobs``) for the
+    mismatch metrics, so no extra log-prob pass is spent on them.
     """
     from rlfactory.algos.aggregation import LOSS_AGG
     from rlfactory.algos.kl import KL_ESTIMATORS
@@ -210,24 +241,22 @@ def actor_loss_fn(
 
     policy_loss, agg = POLICY_LOSSES.get(alg.policy_loss), LOSS_AGG.get(alg.loss_agg)
     correction = IS_CORRECTIONS.get(is_correction)
-    sampled = "sampler_logprobs" in batch
-    if sampled and "old_logprobs" not in batch:
-        batch["trainer_logprobs"] = torch.full_like(batch["sampler_logprobs"], float("nan"))  # NaN: row not seen
     kl_fn = KL_ESTIMATORS.get(alg.kl_loss_estimator)
     loss_cfg = {k: v for k, v in (("clip_low", alg.clip_low), ("clip_high", alg.clip_high)) if v is not None}
     loss_cfg["clip_c"] = alg.clip_c
+    assert batch.advantages is not None
 
-    def loss_fn(rows: torch.Tensor, pos: torch.Tensor, mini_rows: torch.Tensor, width: int | None = None):
+    def loss_fn(rows: torch.Tensor, pos: torch.Tensor, mini_rows: torch.Tensor, width: int | None = None) -> LossPart:
         entropy_mode = "loss" if alg.entropy_coef > 0 else "metric"
         logprobs, entropy = policy_forward(model, batch, rows, temperature, entropy_mode, width)
         # one update per rollout batch: the old policy IS the current one, so no extra forward was spent
-        old = batch["old_logprobs"][rows] if "old_logprobs" in batch else logprobs.detach()
-        mask, mini_mask = batch["loss_mask"][rows], batch["loss_mask"][mini_rows]
-        per_token, pg_metrics = policy_loss(logprobs, old, batch["advantages"][rows], mask, config=loss_cfg)
-        if sampled:
-            if "trainer_logprobs" in batch:
-                batch["trainer_logprobs"][rows] = old
-            weights, is_metrics = correction(old, batch["sampler_logprobs"][rows], mask, threshold=is_threshold)
+        old = batch.old_logprobs[rows] if batch.old_logprobs is not None else logprobs.detach()
+        mask, mini_mask = batch.loss_mask[rows], batch.loss_mask[mini_rows]
+        per_token, pg_metrics = policy_loss(logprobs, old, batch.advantages[rows], mask, config=loss_cfg)
+        trainer_logprobs = None
+        if batch.sampler_logprobs is not None:
+            trainer_logprobs = old if batch.old_logprobs is None else None
+            weights, is_metrics = correction(old, batch.sampler_logprobs[rows], mask, threshold=is_threshold)
             per_token = per_token * weights
             pg_metrics = {**pg_metrics, **is_metrics}
         pg_loss = _part(agg, per_token, mini_mask, pos, max_len)
@@ -236,32 +265,34 @@ def actor_loss_fn(
         metrics = {"pg_loss": pg_loss.detach(), **{k: v * share for k, v in pg_metrics.items()}}
         metrics["entropy"] = masked_mean(entropy.detach(), mask) * share
         if alg.kl_loss_coef > 0:
-            kl_loss = _part(agg, kl_fn(logprobs, batch["ref_logprobs"][rows]), mini_mask, pos, max_len)
+            assert batch.ref_logprobs is not None
+            kl_loss = _part(agg, kl_fn(logprobs, batch.ref_logprobs[rows]), mini_mask, pos, max_len)
             loss = loss + alg.kl_loss_coef * kl_loss
             metrics["kl_loss"] = kl_loss.detach()
         if alg.entropy_coef > 0:
             loss = loss - alg.entropy_coef * _part(agg, entropy, mini_mask, pos, max_len)
         metrics["loss"] = loss.detach()
-        return loss, metrics
+        return LossPart(loss, metrics, trainer_logprobs)
 
     return loss_fn
 
 
-def critic_loss_fn(critic: Any, batch: Batch, alg: AlgorithmConfig, max_len: int) -> Callable:
+def critic_loss_fn(critic: Any, batch: Batch, alg: AlgorithmConfig, max_len: int) -> LossFn:
     """The critic's micro-batch loss: clipped value loss (``algorithm.value_clip``), aggregated like the actor's."""
     from rlfactory.algos.aggregation import LOSS_AGG
     from rlfactory.algos.policy_loss import value_loss
 
     agg = LOSS_AGG.get(alg.loss_agg)
+    assert batch.values is not None and batch.returns is not None
 
-    def loss_fn(rows: torch.Tensor, pos: torch.Tensor, mini_rows: torch.Tensor, width: int | None = None):
+    def loss_fn(rows: torch.Tensor, pos: torch.Tensor, mini_rows: torch.Tensor, width: int | None = None) -> LossPart:
         values = value_forward(critic, batch, rows, width)
-        mask, mini_mask = batch["response_mask"][rows], batch["response_mask"][mini_rows]
+        mask, mini_mask = batch.response_mask[rows], batch.response_mask[mini_rows]
         per_token, metrics = value_loss(
-            values, batch["values"][rows], batch["returns"][rows], mask, clip_range=alg.value_clip
+            values, batch.values[rows], batch.returns[rows], mask, clip_range=alg.value_clip
         )
         loss = _part(agg, per_token, mini_mask, pos, max_len)
         share = mask.sum() / mini_mask.sum().clamp(min=1)
-        return loss, {"vf_loss": loss.detach(), **{k: v * share for k, v in metrics.items()}}
+        return LossPart(loss, {"vf_loss": loss.detach(), **{k: v * share for k, v in metrics.items()}})
 
     return loss_fn

@@ -1,0 +1,344 @@
+"""The online loop (ppo, grpo and every other estimator): set up once, then repeat step -> log -> trace ->
+validate -> checkpoint, then save. What one step does is ``phases.py``; the tensor math is ``update.py``.
+
+Design notes:
+- one process for now (a clear error under ``accelerate launch`` with several processes);
+  Accelerate owns device placement, mixed precision, backward, clipping and checkpoints, through the same
+  helpers as the offline loop (``engine.shared``).
+- generation runs on the policy itself (hf backend, no weight sync) or on a vLLM engine in this process
+  (vllm backend): that one gets the policy's weights once at the start (after a resume they differ from
+  the checkpoint on disk) and after every update (``phases.update_models``), and its log-probs are compared
+  with the trainer's every step.
+- validation is greedy on ``evaluation.dataset``: ``val/score`` (``evaluation.metric``, i.e. accuracy
+  for answer_match) and ``val/reward/*`` (the reward stack), at step 0, every ``train.eval_steps`` and
+  at the end; the first and last give the before/after line of the summary.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rlfactory.config.schema import RunConfig
+from rlfactory.engine import shared
+from rlfactory.engine.offline import TrainResult
+from rlfactory.engine.online.phases import step, trace_rows
+from rlfactory.engine.online.update import Updater
+from rlfactory.errors import UserError
+from rlfactory.rewards.stack import RewardStack, Sample, score_metrics
+from rlfactory.rollout.agent import Rollouts, build_rollouts, episode_metrics, episode_trace_fields
+from rlfactory.rollout.base import SamplingParams
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from rlfactory.algos.kl import AdaptiveKLController, FixedKLController
+    from rlfactory.model.reference import ReferencePolicy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoopState:
+    """What a checkpoint must restore besides the weights: the seeded prompt order is resumed from ``cursor``."""
+
+    step: int = 0
+    cursor: int = 0  # prompts drawn so far
+    group: int = 0  # the next prompt group's id
+    epoch: float = 0.0
+    kl_coef: float | None = None  # the adaptive controller's value
+
+
+class PhaseTimer:
+    """``with timer("gen"):`` adds the seconds to ``timing_s/gen`` (phases may repeat within a step)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, phase: str):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # attribute GPU work to the phase that queued it
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.seconds[phase] += time.perf_counter() - start
+
+    def pop(self) -> dict[str, float]:
+        out = {f"timing_s/{k}": round(v, 4) for k, v in self.seconds.items()}
+        self.seconds.clear()
+        return out
+
+
+@dataclass
+class Run:
+    """Everything a step touches, built once by :func:`build_run`."""
+
+    cfg: RunConfig
+    accelerator: Accelerator
+    tokenizer: Any
+    out: Path
+    actor: Updater  # the policy and its optimizer
+    critic: Updater | None  # exactly when the estimator needs values
+    reference: ReferencePolicy | None  # exactly when a KL term is on
+    rollouts: Rollouts
+    rewards: RewardStack
+    kl_ctrl: FixedKLController | AdaptiveKLController
+    prompts: list[dict]
+    eval_prompts: list[dict]
+    total_steps: int
+    state: LoopState = field(default_factory=LoopState)
+    timer: PhaseTimer = field(default_factory=PhaseTimer)
+
+
+def _kl_controller(cfg: RunConfig) -> FixedKLController | AdaptiveKLController:
+    from rlfactory.algos.kl import AdaptiveKLController, FixedKLController
+
+    alg = cfg.algorithm
+    if alg.kl_controller == "adaptive":
+        return AdaptiveKLController(alg.kl_in_reward_coef, alg.kl_target, alg.kl_horizon)
+    return FixedKLController(alg.kl_in_reward_coef)
+
+
+def _updater(accelerator: Accelerator, model: Any, lr: float, cfg: RunConfig, updates: int) -> Updater:
+    optimizer = shared.make_optimizer(model, lr, cfg.train)
+    scheduler = shared.make_scheduler(optimizer, cfg.train, updates)
+    model, optimizer, scheduler = shared.prepare_model(
+        accelerator, model, optimizer, scheduler, torch_compile=cfg.train.torch_compile
+    )
+    return Updater(accelerator, model, optimizer, scheduler, cfg.train.max_grad_norm)
+
+
+def build_run(
+    cfg: RunConfig,
+    policy: Any,
+    tokenizer: Any,
+    prompts: list[dict],
+    eval_prompts: list[dict],
+    critic: Any = None,
+) -> Run:
+    """Accelerator, optimizers, reference, reward stack and rollouts: everything before the first step."""
+    from accelerate.utils import set_seed
+
+    from rlfactory.model.reference import build_reference
+
+    ro, alg = cfg.rollout, cfg.algorithm
+    accelerator = shared.build_accelerator(cfg)
+    if accelerator.num_processes > 1:
+        raise UserError(f"stage {cfg.stage} runs on one process for now; launch it without accelerate launch")
+    set_seed(cfg.seed)
+    total = cfg.train.max_steps or max(1, math.ceil(cfg.train.num_epochs * len(prompts) / ro.prompts_per_step))
+    updates = total * alg.ppo_epochs * alg.num_mini_batches
+    # a KL term needs the reference: the LoRA policy with its adapter disabled (no copy), or a frozen copy
+    reference = build_reference(cfg, policy) if alg.kl_loss_coef > 0 or alg.kl_in_reward_coef > 0 else None
+    # train mode for gradient checkpointing; generation switches to eval itself. Dropout would make the
+    # old and new log-probs of the same tokens differ, so it should be 0 (it is by default)
+    policy.train()
+    if cfg.model.finetuning == "lora" and cfg.lora.dropout > 0:
+        log.warning("lora.dropout=%g adds noise to the PPO ratio; 0 is recommended for ppo/grpo", cfg.lora.dropout)
+    actor = _updater(accelerator, policy, cfg.train.learning_rate, cfg, updates)
+    critic_updater = None
+    if critic is not None:
+        critic.train()
+        critic_updater = _updater(accelerator, critic, cfg.critic.learning_rate, cfg, updates)
+    accelerator.register_save_state_pre_hook(shared.keep_trainable_weights)
+    shared.init_trackers(accelerator, cfg)
+    reward_model = None
+    if cfg.reward.reward_model:
+        from rlfactory.rewards.model import RewardModelScorer
+
+        reward_model = RewardModelScorer(
+            cfg.reward.reward_model, accelerator.device, cfg.reward.reward_model_batch_size
+        )
+    for example in prompts + eval_prompts:
+        example["prompt_text"] = tokenizer.decode(example["prompt_ids"])
+    return Run(
+        cfg=cfg,
+        accelerator=accelerator,
+        tokenizer=tokenizer,
+        out=Path(cfg.output_dir),
+        actor=actor,
+        critic=critic_updater,
+        reference=reference,
+        rollouts=build_rollouts(cfg, accelerator.unwrap_model(actor.model), tokenizer),
+        rewards=RewardStack(cfg.reward, ro.max_response_len, reward_model),
+        kl_ctrl=_kl_controller(cfg),
+        prompts=prompts,
+        eval_prompts=eval_prompts,
+        total_steps=total,
+    )
+
+
+def validate(run: Run) -> tuple[dict[str, float], list[dict]]:
+    """Greedy completions of the held-out prompts: val/score (evaluation.metric) and val/reward/* (the stack)."""
+    from rlfactory.rewards.builtin import metric_score
+
+    ev = run.cfg.evaluation
+    with run.accelerator.autocast():  # multi-turn evaluation runs the same agent loop, greedy
+        completions, finals, seen = run.rollouts.generate(run.eval_prompts, SamplingParams(ev.max_new_tokens, 0))
+    decode = run.tokenizer.decode
+    samples = [
+        Sample(
+            p["prompt_text"],
+            decode(c.token_ids, skip_special_tokens=True) if f is None else f,
+            p.get("answer"),
+            p,
+            len(c.token_ids),
+        )
+        for p, c, f in zip(seen, completions, finals, strict=True)
+    ]
+    scores = run.rewards.score(samples)
+    values = [metric_score(ev.metric, s.prompt, s.completion, s.answer, s.example) for s in samples]
+    metrics = {
+        "val/score": sum(values) / len(values),
+        "val/reward/mean": sum(scores.total) / len(samples),
+        "val/response_length/mean": sum(s.response_length for s in samples) / len(samples),
+        **score_metrics(scores, "val/reward"),
+        **episode_metrics(seen, "val/"),
+    }
+    rows = [
+        {
+            "prompt": s.example["messages"][-1]["content"],
+            "completion": s.completion,
+            "answer": s.answer,
+            "score": v,
+            **episode_trace_fields(s.example),
+        }
+        for s, v in zip(samples, values, strict=True)
+    ]
+    return metrics, rows
+
+
+def write_trace(out: Path, name: str, rows: list[dict[str, Any]]) -> Path:
+    """``rollouts/<name>.jsonl``: one replayable line per sample."""
+    import json
+
+    folder = out / "rollouts"
+    folder.mkdir(exist_ok=True)
+    path = folder / f"{name}.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def _log(run: Run, record: dict[str, Any]) -> None:
+    shared.log_record(
+        run.accelerator, run.out, {k: round(v, 6) if isinstance(v, float) else v for k, v in record.items()}
+    )
+
+
+def _mean(window: list[dict[str, float]]) -> dict[str, float]:
+    keys = {k for record in window for k in record}
+    return {k: sum(r[k] for r in window if k in r) / sum(1 for r in window if k in r) for k in sorted(keys)}
+
+
+def _validate_and_log(run: Run, step_index: int) -> dict[str, float]:
+    metrics, rows = validate(run)
+    _log(run, {"step": step_index, **metrics})
+    if run.cfg.logging.rollout_trace_steps:
+        write_trace(run.out, f"val_step_{step_index:05d}", rows)
+    log.info(
+        "step %d: val/score %.3f, val/reward/mean %.3f", step_index, metrics["val/score"], metrics["val/reward/mean"]
+    )
+    return metrics
+
+
+def _resume(run: Run, resume_from: Path) -> dict[str, float] | None:
+    """Restore the checkpoint; returns the interrupted run's step-0 validation, if it made one."""
+    from rlfactory.engine.run_dir import read_log
+
+    saved = shared.load_checkpoint(run.accelerator, resume_from, run.out)
+    known = {k: v for k, v in saved.items() if k in LoopState.__dataclass_fields__}
+    run.state = LoopState(**known)
+    if run.state.kl_coef is not None:
+        run.kl_ctrl.value = run.state.kl_coef
+    run.accelerator.print(f"resumed from {resume_from} at step {run.state.step}")
+    return next((r for r in read_log(run.out) if r["step"] == 0 and "val/score" in r), None)
+
+
+def train(
+    cfg: RunConfig,
+    policy: Any,
+    tokenizer: Any,
+    prompts: list[dict],
+    eval_prompts: list[dict],
+    critic: Any = None,
+    resume_from: Path | None = None,
+) -> tuple[TrainResult, dict[str, Any]]:
+    """Run the loop; returns the result (as the offline loop's) and the before/after validation summary."""
+    from tqdm.auto import tqdm
+
+    run = build_run(cfg, policy, tokenizer, prompts, eval_prompts, critic)
+    before = after = None
+    if resume_from is not None:
+        before = _resume(run, resume_from)
+    if run.rollouts.syncs_weights:  # merged adapter_paths, a resumed policy: the engine loaded other weights
+        run.rollouts.sync_weights(run.accelerator.unwrap_model(run.actor.model))
+    ro, alg = cfg.rollout, cfg.algorithm
+    run.accelerator.print(
+        f"stage {cfg.stage}: {len(prompts)} prompts, {run.total_steps} steps of {ro.prompts_per_step} prompts x "
+        f"{ro.num_samples} samples, estimator {alg.adv_estimator}, policy loss {alg.policy_loss}"
+    )
+    if eval_prompts and cfg.evaluation.before_training and resume_from is None:
+        before = _validate_and_log(run, 0)
+    bar = tqdm(total=run.total_steps, initial=run.state.step, desc=cfg.stage, disable=not cfg.logging.progress_bar)
+    window: list[dict[str, float]] = []
+    last: dict[str, float] = {}
+    for index in range(run.state.step, run.total_steps):
+        result = step(run, index)
+        done = run.state.step = index + 1
+        window.append(result.metrics)
+        bar.update(1)
+        bar.set_postfix(score=f"{result.metrics['score/mean']:.3f}")
+        if done % cfg.logging.logging_steps == 0 or done == run.total_steps:
+            last = _mean(window)
+            _log(run, {"step": done, "epoch": run.state.epoch, **last})
+            window = []
+        if cfg.logging.rollout_trace_steps and (done == 1 or done % cfg.logging.rollout_trace_steps == 0):
+            write_trace(run.out, f"step_{done:05d}", trace_rows(done, result.samples, result.batch))
+        if eval_prompts and cfg.train.eval_steps and done % cfg.train.eval_steps == 0 and done < run.total_steps:
+            _validate_and_log(run, done)
+        if cfg.train.save_steps and done % cfg.train.save_steps == 0 and done < run.total_steps:
+            run.state.kl_coef = run.kl_ctrl.value
+            shared.save_checkpoint(run.accelerator, run.out, done, asdict(run.state), cfg.train.save_total_limit)
+    bar.close()
+    if eval_prompts:
+        after = _validate_and_log(run, run.state.step)
+    return _finish(run, last, before, after)
+
+
+def _finish(run: Run, last: dict, before: dict | None, after: dict | None) -> tuple[TrainResult, dict[str, Any]]:
+    from rlfactory.engine import run_dir
+    from rlfactory.model.loader import save_model
+
+    accelerator, cfg = run.accelerator, run.cfg
+    accelerator.wait_for_everyone()
+    policy = accelerator.unwrap_model(run.actor.model)
+    saved_as = save_model(policy, run.tokenizer, run.out)
+    if run.critic is not None:
+        from rlfactory.model.value_head import save_value_model
+
+        save_value_model(accelerator.unwrap_model(run.critic.model), run.out / "critic")
+    if cfg.logging.plot_loss:
+        run_dir.plot_log(run.out, ("loss", "score/mean", "val/score"))
+    accelerator.end_training()
+    run.rollouts.close()
+    extra: dict[str, Any] = {}
+    if after is not None:
+        for key, label in (("val/score", cfg.evaluation.metric), ("val/reward/mean", "reward")):
+            name = f"{label} ({cfg.evaluation.dataset})"
+            extra[name] = shared.before_after(
+                None if before is None else before[key], after[key], len(run.eval_prompts)
+            )
+    result = TrainResult(run.state.step, policy, run.out, saved_as, last, after or {})
+    return result, extra

@@ -1,0 +1,310 @@
+"""One online RL step, phase by phase; the loop around it is ``engine/online/loop.py``.
+
+1. rollout   ``prompts_per_step`` prompts x ``num_samples`` samples through the run's ``Rollouts`` (a backend,
+             through the agent loop when tools are set; dynamic sampling: drop groups whose rewards are all
+             equal, refill, up to a limit)
+2. reward    the reward stack scores every sample (components logged separately)      -> batch.scores, .group
+3. ref       reference log-probs, only with a KL term                                 -> batch.ref_logprobs
+4. old       pi_old log-probs, only with > 1 update per batch or an in-reward KL       -> batch.old_logprobs
+5. values    critic values, only with a critic                                        -> batch.values
+6. adv       token rewards (score on the last token, minus the in-reward KL) -> the estimator
+                                                                  -> batch.token_rewards, .advantages, .returns
+7. update    critic, then actor: ppo_epochs x num_mini_batches optimizer steps (``update.Updater``), the
+             policy gradient importance-weighted by ``rollout.is_correction`` when a separate sampler generated
+8. sync      a backend with its own copy of the policy (vllm) gets the updated weights
+9. metrics   verl names: actor/*, critic/*, reward/<name>/*, score/*, advantages/*, response_length/*,
+             timing_s/*, perf/*; with a separate sampler rollout/logprob_diff_{mean,max}, rollout/prob_pearson
+
+Each phase fills named fields of the typed :class:`RolloutBatch`; whether it runs is decided by what the run
+has (a reference, a critic) and by the registry entries' traits, never by a stage name.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rlfactory.engine.online import update as ops
+from rlfactory.engine.shared import peak_memory_gb
+from rlfactory.rewards.stack import Sample, Scores, score_metrics
+from rlfactory.rollout.agent import episode_metrics, episode_trace_fields
+from rlfactory.rollout.base import SamplingParams
+from rlfactory.rollout.batch import RolloutBatch, pack_rollouts
+
+if TYPE_CHECKING:
+    from rlfactory.engine.online.loop import Run
+
+
+@dataclass
+class Rollout:
+    """One scored sample of a step."""
+
+    example: dict[str, Any]  # as rewards saw it (multi-turn: with the episode under "agent")
+    prompt_ids: list[int]
+    completion: Any  # rollout.base.Completion
+    text: str  # what rewards read as the completion
+    group: int
+    score: float
+    rewards: dict[str, float]  # per component (and dict part)
+
+
+@dataclass
+class StepResult:
+    metrics: dict[str, float]
+    samples: list[Rollout]  # the trained samples (after dynamic sampling)
+    batch: RolloutBatch
+
+
+# --------------------------------------------------------------------------- 1-2: rollout + reward
+def next_prompts(run: Run, k: int) -> list[dict]:
+    """The next k prompts of a seeded per-epoch order (resumable: the cursor is checkpointed)."""
+    n, out, state = len(run.prompts), [], run.state
+    for _ in range(k):
+        epoch, index = divmod(state.cursor, n)
+        order = list(range(n))
+        if run.cfg.data.shuffle:
+            random.Random(run.cfg.seed + epoch).shuffle(order)
+        out.append(run.prompts[order[index]])
+        state.cursor += 1
+    state.epoch = state.cursor / n
+    return out
+
+
+def generate_and_score(
+    run: Run, examples: list[dict], params: SamplingParams, copies: int
+) -> tuple[list[Rollout], dict[str, int]]:
+    """``copies`` samples per example, scored (group ids are fresh per prompt); and reward failures per component."""
+    repeated = [ex for ex in examples for _ in range(copies)]
+    with run.timer("gen"), run.accelerator.autocast():
+        completions, finals, seen = run.rollouts.generate(repeated, params)
+    groups = [run.state.group + i // copies for i in range(len(repeated))]
+    run.state.group += len(examples)
+    decode = run.tokenizer.decode
+    samples = [  # multi-turn: rewards read the last assistant turn (``final``)
+        Sample(
+            ex["prompt_text"],
+            decode(c.token_ids, skip_special_tokens=True) if final is None else final,
+            ex.get("answer"),
+            ex,
+            len(c.token_ids),
+        )
+        for ex, c, final in zip(seen, completions, finals, strict=True)
+    ]
+    with run.timer("reward"):
+        scores = run.rewards.score(samples)
+    parts = {**scores.components, **scores.parts}
+    rollouts = [
+        Rollout(s.example, ex["prompt_ids"], c, s.completion, g, scores.total[i], {k: v[i] for k, v in parts.items()})
+        for i, (s, ex, c, g) in enumerate(zip(samples, repeated, completions, groups, strict=True))
+    ]
+    return rollouts, scores.failures
+
+
+def collect(run: Run) -> tuple[list[Rollout], list[Rollout], dict[str, int]]:
+    """(kept samples, all generated samples, reward failures). Dynamic sampling keeps only groups whose
+    rewards are not all equal (an all-equal group has zero advantage: nothing to learn from)."""
+    ro = run.cfg.rollout
+    assert ro is not None
+    params = SamplingParams(ro.max_response_len, ro.temperature, ro.top_p, ro.top_k)
+    kept: list[Rollout] = []
+    generated: list[Rollout] = []
+    failures: dict[str, int] = {}
+    for _ in range(ro.max_sampling_rounds if ro.dynamic_sampling else 1):
+        needed = ro.prompts_per_step - len(kept) // ro.num_samples
+        samples, failed = generate_and_score(run, next_prompts(run, needed), params, ro.num_samples)
+        generated += samples
+        failures = {k: failures.get(k, 0) + n for k, n in failed.items()}
+        if not ro.dynamic_sampling:
+            return samples, generated, failures
+        for start in range(0, len(samples), ro.num_samples):
+            group = samples[start : start + ro.num_samples]
+            if len({s.score for s in group}) > 1:
+                kept += group
+        if len(kept) >= ro.prompts_per_step * ro.num_samples:
+            break
+    # nothing informative at all: train on the last round (advantages are 0, only KL/entropy act)
+    return kept or samples, generated, failures
+
+
+def to_batch(run: Run, samples: list[Rollout]) -> RolloutBatch:
+    assert run.cfg.rollout is not None
+    batch = pack_rollouts(
+        [s.prompt_ids for s in samples],
+        [s.completion for s in samples],
+        run.tokenizer.pad_token_id,
+        run.cfg.rollout.mask_truncated,
+    )
+    batch.scores = torch.tensor([s.score for s in samples], dtype=torch.float32)
+    batch.group = torch.tensor([s.group for s in samples])
+    return batch.to(run.accelerator.device)
+
+
+# --------------------------------------------------------------------------- 3-6: scoring passes, no gradient
+def reference_logprobs(run: Run, batch: RolloutBatch) -> None:
+    """batch.ref_logprobs: the response under the reference policy (the run has one only with a KL term)."""
+    if run.reference is None:
+        return
+    temperature, micro = run.cfg.rollout.temperature, run.cfg.train.per_device_batch_size
+    with run.timer("ref"), run.reference.weights(batch.input_ids.device) as model:
+        forward = lambda rows, width: ops.policy_forward(model, batch, rows, temperature, width=width)[0]
+        batch.ref_logprobs = ops.full_pass(forward, batch, micro)
+
+
+def old_logprobs(run: Run, batch: RolloutBatch) -> None:
+    """batch.old_logprobs: pi_old must be kept once the first update moved the policy, and the in-reward KL needs
+    it now; with a single on-policy update and no in-reward KL the actor reuses its own detached log-probs."""
+    alg = run.cfg.algorithm
+    if alg.ppo_epochs * alg.num_mini_batches == 1 and alg.kl_in_reward_coef == 0:
+        return
+    policy = run.accelerator.unwrap_model(run.actor.model)
+    temperature, micro = run.cfg.rollout.temperature, run.cfg.train.per_device_batch_size
+    with run.timer("old_logprob"):
+        forward = lambda rows, width: ops.policy_forward(policy, batch, rows, temperature, width=width)[0]
+        batch.old_logprobs = ops.full_pass(forward, batch, micro)
+
+
+def critic_values(run: Run, batch: RolloutBatch) -> None:
+    """batch.values: the critic's value of each response position (only a run with a critic has one)."""
+    if run.critic is None:
+        return
+    with run.timer("values"):
+        forward = lambda rows, width: ops.value_forward(run.critic.model, batch, rows, width)
+        batch.values = ops.full_pass(forward, batch, run.cfg.train.per_device_batch_size)
+
+
+def compute_advantages(run: Run, batch: RolloutBatch) -> dict[str, float]:
+    """batch.token_rewards, .advantages, .returns; the in-reward KL penalty (and its controller) when set."""
+    alg, metrics = run.cfg.algorithm, {}
+    with run.timer("adv"):
+        kl = None
+        if alg.kl_in_reward_coef > 0:
+            from rlfactory.algos.kl import KL_ESTIMATORS
+
+            kl = KL_ESTIMATORS.get(alg.kl_reward_estimator)(batch.old_logprobs, batch.ref_logprobs)
+            kl = kl * batch.response_mask
+            seq_kl = float(kl.sum(-1).mean())
+            metrics.update({"actor/reward_kl": seq_kl, "actor/kl_coef": run.kl_ctrl.value})
+        batch.token_rewards = ops.token_rewards(batch, kl, run.kl_ctrl.value)
+        batch.advantages, batch.returns = ops.advantages(batch, alg)
+        if kl is not None:
+            run.kl_ctrl.update(seq_kl, len(batch))
+    return metrics
+
+
+def score_batch(run: Run, batch: RolloutBatch) -> dict[str, float]:
+    """Phases 3-6 under autocast: every pass that reads the batch without a gradient, then the advantages."""
+    with run.accelerator.autocast():
+        reference_logprobs(run, batch)
+        old_logprobs(run, batch)
+        critic_values(run, batch)
+        return compute_advantages(run, batch)
+
+
+# --------------------------------------------------------------------------- 7-8: update, sync
+def update_models(run: Run, batch: RolloutBatch, step: int) -> tuple[dict[str, float], torch.Tensor | None]:
+    """Critic then actor updates (the actor waits ``critic.warmup_steps``); returns the metrics and the trainer's
+    log-probs of a single on-policy update (for the sampler mismatch), then syncs the sampler's weights."""
+    cfg, alg, micro = run.cfg, run.cfg.algorithm, run.cfg.train.per_device_batch_size
+    ro, metrics, trainer_logprobs = cfg.rollout, {}, None
+    if run.critic is not None:
+        metrics["critic/vf_explained_var"] = ops.explained_variance(batch.values, batch.returns, batch.response_mask)
+        with run.timer("update_critic"):
+            loss_fn = ops.critic_loss_fn(run.critic.model, batch, alg, ro.max_response_len)
+            metrics.update(run.critic.run(batch, alg, micro, batch.response_mask, loss_fn, "critic").metrics)
+    if step >= (cfg.critic.warmup_steps if run.critic is not None else 0):
+        with run.timer("update_actor"):
+            loss_fn = ops.actor_loss_fn(
+                run.actor.model, batch, alg, ro.temperature, ro.max_response_len, ro.is_correction, ro.is_threshold
+            )
+            result = run.actor.run(batch, alg, micro, batch.loss_mask, loss_fn, "actor")
+        metrics.update(result.metrics)
+        trainer_logprobs = result.logprobs
+    if run.rollouts.syncs_weights:
+        with run.timer("sync"):
+            run.rollouts.sync_weights(run.accelerator.unwrap_model(run.actor.model))
+    return metrics, trainer_logprobs
+
+
+# --------------------------------------------------------------------------- 9: metrics
+def mismatch(batch: RolloutBatch, trainer_logprobs: torch.Tensor | None) -> dict[str, float]:
+    """Sampler vs trainer log-probs of the same tokens (only when a separate sampler produced the batch)."""
+    from rlfactory.algos.rollout_correction import mismatch_metrics
+
+    trainer = batch.old_logprobs if batch.old_logprobs is not None else trainer_logprobs
+    if batch.sampler_logprobs is None or trainer is None:
+        return {}
+    seen = torch.isfinite(trainer)  # rows of a skipped mini-batch (nothing in the loss) have no trainer log-probs
+    return mismatch_metrics(trainer.nan_to_num(0.0), batch.sampler_logprobs, batch.response_mask * seen)
+
+
+def batch_metrics(
+    samples: list[Rollout], generated: list[Rollout], failures: dict[str, int], batch: RolloutBatch
+) -> dict[str, float]:
+    """score/, reward/<name>/ and response_length/ over every sample generated this step (the policy as it
+    is, before dynamic sampling filters groups); advantages/ over the trained batch."""
+    scores = [s.score for s in generated]
+    lengths = [len(s.completion.token_ids) for s in generated]
+    components: dict[str, list[float]] = {}
+    for sample in generated:
+        for name, value in sample.rewards.items():
+            components.setdefault(name, []).append(value)
+    adv = batch.advantages[batch.response_mask > 0]
+    return {
+        **score_metrics(Scores(scores, components, {}, failures)),
+        "score/mean": sum(scores) / len(scores),
+        "score/max": max(scores),
+        "score/min": min(scores),
+        "advantages/mean": float(adv.mean()) if adv.numel() else 0.0,
+        "advantages/max": float(adv.max()) if adv.numel() else 0.0,
+        "advantages/min": float(adv.min()) if adv.numel() else 0.0,
+        "response_length/mean": sum(lengths) / len(lengths),
+        "response_length/max": float(max(lengths)),
+        "response_length/clip_ratio": sum(s.completion.finish_reason == "length" for s in generated) / len(lengths),
+        "rollout/kept_samples": float(len(samples)),
+        "rollout/generated_samples": float(len(generated)),
+        **episode_metrics([s.example for s in generated]),
+    }
+
+
+def step(run: Run, index: int) -> StepResult:
+    """One RL step: the phases above, in order."""
+    with run.timer("step"):
+        samples, generated, failures = collect(run)
+        batch = to_batch(run, samples)
+        metrics = score_batch(run, batch)
+        update_metrics, trainer_logprobs = update_models(run, batch, index)
+        metrics.update(update_metrics)
+    metrics.update(batch_metrics(samples, generated, failures, batch))
+    metrics.update(mismatch(batch, trainer_logprobs))
+    timing = run.timer.pop()
+    tokens = sum(len(s.prompt_ids) + len(s.completion.token_ids) for s in generated)
+    metrics.update(timing)
+    metrics["perf/throughput"] = tokens / max(timing["timing_s/step"], 1e-9)
+    metrics["perf/max_memory_gb"] = peak_memory_gb()
+    metrics["loss"] = metrics.get("actor/loss", metrics.get("critic/vf_loss", 0.0))
+    return StepResult(metrics, samples, batch)
+
+
+def trace_rows(step_index: int, samples: list[Rollout], batch: RolloutBatch) -> list[dict]:
+    adv = (batch.advantages * batch.response_mask).sum(-1) / batch.response_mask.sum(-1).clamp(min=1)
+    return [
+        {
+            "step": step_index,
+            "group": s.group,
+            "source": s.example.get("source"),
+            "prompt": s.example["prompt_text"],
+            "completion": s.text,
+            "answer": s.example.get("answer"),
+            "prompt_tokens": len(s.prompt_ids),
+            "response_tokens": len(s.completion.token_ids),
+            "finish_reason": s.completion.finish_reason,
+            "rewards": s.rewards,
+            "score": s.score,
+            "advantage": float(adv[i]),
+            **episode_trace_fields(s.example),
+        }
+        for i, s in enumerate(samples)
+    ]
