@@ -23,11 +23,7 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 900) -> subpro
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.run(
         [sys.executable, "-m", "rlfactory", *args],
-        cwd=cwd or ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+        cwd=cwd or ROOT, env=env, capture_output=True, text=True, timeout=timeout,
     )
 
 

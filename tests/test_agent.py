@@ -295,7 +295,9 @@ def test_policy_loss_ignores_tokens_the_policy_did_not_sample(tokenizer, calc):
 
     loss, grads = loss_and_grads(batch)
     junk = replace(batch)
-    spliced = (batch.loss_mask == 0) & (torch.arange(batch.responses.shape[1]) < batch.response_length[:, None])
+    spliced = (batch.loss_mask == 0) & (
+        torch.arange(batch.responses.shape[1]) < batch.response_length[:, None]
+    )
     assert spliced.sum() > 0
     junk.advantages = torch.where(spliced, torch.full_like(batch.advantages, 1e4), batch.advantages)
     junk.old_logprobs = torch.where(spliced, torch.full_like(current, -50.0), current)

@@ -104,17 +104,8 @@ def _questions(path: Path) -> set[str]:
 
 def test_dataset_info_and_files() -> None:
     info = yaml.safe_load((DATA / "dataset_info.yaml").read_text())
-    assert {
-        "arith_sft",
-        "arith_sft_eval",
-        "arith_prompts",
-        "arith_prompts_test",
-        "arith_pref",
-        "arith_pref_test",
-        "arith_kto",
-        "arith_sft_alpaca",
-        "arith_pref_sharegpt",
-    } <= set(info)
+    assert {"arith_sft", "arith_sft_eval", "arith_prompts", "arith_prompts_test", "arith_pref",
+            "arith_pref_test", "arith_kto", "arith_sft_alpaca", "arith_pref_sharegpt"} <= set(info)
     total = 0
     for name, spec in info.items():
         path = DATA / spec["file_name"]
@@ -132,9 +123,8 @@ def test_dataset_info_and_files() -> None:
                 assert row["messages"][0]["content"] == arith.SYSTEM_PROMPT
             if spec.get("ranking") and spec["formatting"] == "openai":
                 # a side is one assistant message, or (tool pairs) the turns up to the final answer
-                chosen, rejected = (
-                    [side] if isinstance(side, dict) else side for side in (row["chosen"], row["rejected"])
-                )
+                chosen, rejected = ([side] if isinstance(side, dict) else side for side in (row["chosen"],
+                                                                                           row["rejected"]))
                 assert _arithmetic_ok(chosen[-1]["content"])
                 assert not _arithmetic_ok(rejected[-1]["content"])
         if "answer" in spec["columns"].values():

@@ -68,11 +68,8 @@ def _bad_run(tmp_path: Path, cfg: dict, *overrides: str):
 
 
 def test_unknown_key_and_wrong_type(tmp_path: Path, sft_config: dict):
-    _expect_clear_error(
-        _bad_run(tmp_path, sft_config, "train.learnig_rate=1"),
-        "unknown key 'train.learnig_rate'",
-        "did you mean 'learning_rate'",
-    )
+    _expect_clear_error(_bad_run(tmp_path, sft_config, "train.learnig_rate=1"),
+                        "unknown key 'train.learnig_rate'", "did you mean 'learning_rate'")
     _expect_clear_error(_bad_run(tmp_path, sft_config, "train.max_steps=many"), "train.max_steps:", "integer")
 
 
@@ -82,7 +79,8 @@ def test_missing_dataset_file_and_unknown_name(tmp_path: Path, sft_config: dict)
     (registry / "dataset_info.yaml").write_text(yaml.safe_dump({"mine": {"file_name": "missing.jsonl"}}))
     cfg = {**sft_config, "data": {**sft_config["data"], "dataset_dir": str(registry), "dataset": "mine"}}
     _expect_clear_error(_bad_run(tmp_path, cfg), "dataset 'mine': file", "missing.jsonl' does not exist")
-    _expect_clear_error(_bad_run(tmp_path, cfg, "data.dataset=mien"), "dataset 'mien' is not in", "did you mean 'mine'")
+    _expect_clear_error(_bad_run(tmp_path, cfg, "data.dataset=mien"), "dataset 'mien' is not in",
+                        "did you mean 'mine'")
 
 
 def test_row_without_column_and_empty_dataset(tmp_path: Path, sft_config: dict):

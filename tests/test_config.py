@@ -98,13 +98,8 @@ def test_pipeline_defaults_outputs_and_stage_overrides(tmp_path: Path):
             "defaults": {"model": {"name_or_path": "m"}, "seed": 3},
             "stages": [
                 {"stage": "sft", "data": {"dataset": "a"}},
-                {
-                    "stage": "grpo",
-                    "name": "rl",
-                    "model": {"from_stage": "sft"},
-                    "data": {"dataset": "b"},
-                    "reward": {"functions": {"answer_match": 1.0}},
-                },
+                {"stage": "grpo", "name": "rl", "model": {"from_stage": "sft"}, "data": {"dataset": "b"},
+                 "reward": {"functions": {"answer_match": 1.0}}},
             ],
         },
     )
@@ -119,7 +114,9 @@ def test_pipeline_defaults_outputs_and_stage_overrides(tmp_path: Path):
 
 def test_pipeline_from_stage_must_be_earlier():
     with pytest.raises(UserError, match="'later' is not an earlier stage"):
-        validate_config({"stages": [{**BASE, "model": {"from_stage": "later"}}, {**BASE, "name": "later"}]}, "p.yaml")
+        validate_config(
+            {"stages": [{**BASE, "model": {"from_stage": "later"}}, {**BASE, "name": "later"}]}, "p.yaml"
+        )
 
 
 def test_json_schema_covers_every_section():

@@ -38,30 +38,11 @@ def test_bundled_registry_loads_every_kind():
 def test_alpaca_with_history_and_system(tmp_path: Path):
     folder = make_registry(
         tmp_path,
-        {
-            "a": {
-                "file_name": "a.json",
-                "formatting": "alpaca",
-                "columns": {
-                    "prompt": "instruction",
-                    "query": "input",
-                    "response": "output",
-                    "history": "history",
-                    "system": "system",
-                },
-            }
-        },
-        {
-            "a.json": [
-                {
-                    "instruction": "Add",
-                    "input": "2 and 3",
-                    "output": "5",
-                    "system": "Be brief.",
-                    "history": [["hi", "hello"]],
-                }
-            ]
-        },
+        {"a": {"file_name": "a.json", "formatting": "alpaca",
+               "columns": {"prompt": "instruction", "query": "input", "response": "output",
+                           "history": "history", "system": "system"}}},
+        {"a.json": [{"instruction": "Add", "input": "2 and 3", "output": "5", "system": "Be brief.",
+                     "history": [["hi", "hello"]]}]},
     )
     (example,) = load_examples(["a"], "sft", str(folder))
     assert example["messages"] == [
@@ -85,13 +66,8 @@ def test_sharegpt_function_call_and_observation(tmp_path: Path):
     tools = json.dumps([{"type": "function", "function": {"name": "weather", "parameters": {}}}])
     folder = make_registry(
         tmp_path,
-        {
-            "s": {
-                "file_name": "s.json",
-                "formatting": "sharegpt",
-                "columns": {"messages": "conversations", "tools": "tools"},
-            }
-        },
+        {"s": {"file_name": "s.json", "formatting": "sharegpt", "columns": {"messages": "conversations",
+                                                                            "tools": "tools"}}},
         {"s.json": [{"conversations": conv, "tools": tools}]},
     )
     (example,) = load_examples(["s"], "sft", str(folder))
@@ -106,19 +82,15 @@ def test_sharegpt_function_call_and_observation(tmp_path: Path):
 def test_openai_tool_call_arguments_as_json_string(tmp_path: Path):
     msgs = [
         {"role": "user", "content": "2+2?"},
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "calc", "arguments": '{"x": "2+2"}'}}],
-        },
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "calc", "arguments": '{"x": "2+2"}'}}]},
         {"role": "tool", "content": "4", "tool_call_id": "c1"},
         {"role": "assistant", "content": "4"},
     ]
     folder = make_registry(tmp_path, {"o": {"file_name": "o.jsonl"}}, {"o.jsonl": [{"messages": msgs}]})
     (example,) = load_examples(["o"], "sft", str(folder))
     assert example["messages"][1] == {
-        "role": "assistant",
-        "content": "",
+        "role": "assistant", "content": "",
         "tool_calls": [{"type": "function", "function": {"name": "calc", "arguments": {"x": "2+2"}}, "id": "c1"}],
     }
     assert example["messages"][2]["tool_call_id"] == "c1"
@@ -133,10 +105,8 @@ def test_missing_file_and_unknown_dataset(tmp_path: Path):
 
 
 def test_row_without_mapped_column_names_file_and_row(tmp_path: Path):
-    rows = [
-        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
-        {"conversation": []},
-    ]
+    rows = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+            {"conversation": []}]
     folder = make_registry(tmp_path, {"o": {"file_name": "o.jsonl"}}, {"o.jsonl": rows})
     with pytest.raises(UserError) as err:
         load_examples(["o"], "sft", str(folder))
@@ -172,14 +142,8 @@ def test_invalid_json_line_and_tools(tmp_path: Path):
         ),
         ({"messages": [{"role": "user", "content": "q"}], "rejected": "b"}, "missing column 'chosen'"),
         ({"messages": [{"role": "user", "content": "q"}], "chosen": "a", "rejected": "a"}, "identical"),
-        (
-            {
-                "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
-                "chosen": "a",
-                "rejected": "b",
-            },
-            "must end before the response",
-        ),
+        ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+          "chosen": "a", "rejected": "b"}, "must end before the response"),
     ],
 )
 def test_bad_preference_rows(tmp_path: Path, row: dict, message: str):
@@ -190,16 +154,9 @@ def test_bad_preference_rows(tmp_path: Path, row: dict, message: str):
 
 
 def test_bad_role_and_system_position(tmp_path: Path):
-    rows = [
-        {"messages": [{"role": "robot", "content": "q"}]},
-        {
-            "messages": [
-                {"role": "user", "content": "q"},
-                {"role": "system", "content": "s"},
-                {"role": "assistant", "content": "a"},
-            ]
-        },
-    ]
+    rows = [{"messages": [{"role": "robot", "content": "q"}]},
+            {"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"},
+                          {"role": "assistant", "content": "a"}]}]
     folder = make_registry(tmp_path, {"o": {"file_name": "o.jsonl"}}, {"o.jsonl": rows})
     with pytest.raises(UserError) as err:
         load_examples(["o"], "sft", str(folder))

@@ -102,18 +102,11 @@ def _run_in_process(cfg: dict) -> Path:
 def test_batch_times_accumulation_invariance(sft_config: dict, tmp_path: Path):
     """batch 8 x accum 1 and batch 2 x accum 4 give the same loss and weights (TRL's invariance test)."""
     common = {"max_samples": 32, "shuffle": False}
-    one = {
-        **sft_config,
-        "output_dir": str(tmp_path / "a"),
-        "model": {**sft_config["model"], "finetuning": "full"},
-        "data": {**sft_config["data"], **common},
-        "train": {"max_steps": 3, "per_device_batch_size": 8, "grad_accum_steps": 1, "learning_rate": 1e-3},
-    }
-    four = {
-        **one,
-        "output_dir": str(tmp_path / "b"),
-        "train": {**one["train"], "per_device_batch_size": 2, "grad_accum_steps": 4},
-    }
+    one = {**sft_config, "output_dir": str(tmp_path / "a"), "model": {**sft_config["model"], "finetuning": "full"},
+           "data": {**sft_config["data"], **common},
+           "train": {"max_steps": 3, "per_device_batch_size": 8, "grad_accum_steps": 1, "learning_rate": 1e-3}}
+    four = {**one, "output_dir": str(tmp_path / "b"),
+            "train": {**one["train"], "per_device_batch_size": 2, "grad_accum_steps": 4}}
     a, b = _losses(_run_in_process(one)), _losses(_run_in_process(four))
     assert a.keys() == b.keys() == {1, 2, 3}
     for step in a:
@@ -123,18 +116,10 @@ def test_batch_times_accumulation_invariance(sft_config: dict, tmp_path: Path):
 
 
 def test_killed_run_resumes_from_checkpoint(sft_config: dict, tmp_path: Path):
-    cfg = {
-        **sft_config,
-        "model": {**sft_config["model"], "finetuning": "full"},
-        "data": {**sft_config["data"], "shuffle": True},
-        "train": {
-            **sft_config["train"],
-            "max_steps": 8,
-            "save_steps": 2,
-            "per_device_batch_size": 4,
-            "save_total_limit": 2,
-        },
-    }
+    cfg = {**sft_config, "model": {**sft_config["model"], "finetuning": "full"},
+           "data": {**sft_config["data"], "shuffle": True},
+           "train": {**sft_config["train"], "max_steps": 8, "save_steps": 2, "per_device_batch_size": 4,
+                     "save_total_limit": 2}}
     reference = {**cfg, "output_dir": str(tmp_path / "ref")}
     write_yaml(tmp_path / "ref.yaml", reference)
     assert run_cli("train", str(tmp_path / "ref.yaml")).returncode == 0
@@ -142,13 +127,8 @@ def test_killed_run_resumes_from_checkpoint(sft_config: dict, tmp_path: Path):
     killed = {**cfg, "output_dir": str(tmp_path / "killed")}
     write_yaml(tmp_path / "killed.yaml", killed)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rlfactory", "train", str(tmp_path / "killed.yaml")],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = subprocess.Popen([sys.executable, "-m", "rlfactory", "train", str(tmp_path / "killed.yaml")], cwd=ROOT,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     state = tmp_path / "killed" / "checkpoint-4" / "trainer_state.json"
     deadline = time.time() + 300
     while not state.exists() and proc.poll() is None and time.time() < deadline:

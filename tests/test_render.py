@@ -10,16 +10,9 @@ from rlfactory.errors import UserError
 from rlfactory.model.loader import load_tokenizer
 from rlfactory.render.chat import IGNORE_INDEX, render_continuation, render_prompt, render_segments, render_sft
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calc",
-            "description": "Evaluate arithmetic.",
-            "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"]},
-        },
-    }
-]
+TOOLS = [{"type": "function", "function": {"name": "calc", "description": "Evaluate arithmetic.",
+                                           "parameters": {"type": "object", "properties": {"expr": {"type": "string"}},
+                                                          "required": ["expr"]}}}]
 CALL = {"type": "function", "function": {"name": "calc", "arguments": {"expr": "17*3"}}}
 CONVERSATION = [
     {"role": "system", "content": "You are a calculator."},

@@ -26,25 +26,17 @@ def _config(tmp_path: Path, stage: str, **sections: dict) -> dict:
     (folder / "test.jsonl").write_text("\n".join(held) + "\n")
     columns = {"messages": "messages", "chosen": "chosen", "rejected": "rejected"}
     train_file = str(DATA_DIR / "arith" / "pref_train.jsonl")  # an absolute file_name is used as is
-    write_yaml(
-        folder / "dataset_info.yaml",
-        {
-            "pref": {"file_name": train_file, "ranking": True, "columns": columns},
-            "pref_test": {"file_name": "test.jsonl", "ranking": True, "columns": columns},
-        },
-    )
+    write_yaml(folder / "dataset_info.yaml", {
+        "pref": {"file_name": train_file, "ranking": True, "columns": columns},
+        "pref_test": {"file_name": "test.jsonl", "ranking": True, "columns": columns},
+    })
     cfg = {
         "stage": stage,
         "output_dir": str(tmp_path / "out"),
         "model": {"name_or_path": str(TINY_MODEL), "finetuning": "lora"},
         "lora": {"r": 16, "alpha": 32},
-        "data": {
-            "dataset": "pref",
-            "eval_dataset": "pref_test",
-            "dataset_dir": str(folder),
-            "max_samples": 512,
-            "cutoff_len": 128,
-        },
+        "data": {"dataset": "pref", "eval_dataset": "pref_test", "dataset_dir": str(folder), "max_samples": 512,
+                 "cutoff_len": 128},
         "train": {"max_steps": 16, "per_device_batch_size": 32, "learning_rate": 1e-3},
         "logging": {"progress_bar": False, "plot_loss": False, "logging_steps": 4},
     }
@@ -89,13 +81,8 @@ def test_dpo_full_with_precomputed_reference_needs_no_copy(tmp_path: Path, monke
         raise AssertionError("a reference copy was loaded")
 
     monkeypatch.setattr(reference, "load_frozen_copy", no_copy)
-    cfg = _config(
-        tmp_path,
-        "dpo",
-        model={"finetuning": "full"},
-        train={"learning_rate": 1e-4},
-        dpo={"beta": 0.5, "precompute_ref_logps": True},
-    )
+    cfg = _config(tmp_path, "dpo", model={"finetuning": "full"}, train={"learning_rate": 1e-4},
+                  dpo={"beta": 0.5, "precompute_ref_logps": True})
     summary = dpo.run(validate_config(cfg, "test"))
     first, last = _evals(tmp_path / "out")
     assert abs(first["eval_rewards/margins"]) < 1e-5  # precomputed reference == the starting policy
@@ -114,23 +101,12 @@ def _format_pairs(tmp_path: Path) -> Path:
     folder.mkdir()
     for split in ("train", "test"):
         rows = [json.loads(line) for line in (DATA_DIR / "arith" / f"pref_{split}.jsonl").read_text().splitlines()]
-        out = [
-            {
-                "messages": r["messages"],
-                "chosen": r["chosen"]["content"],
-                "rejected": r["chosen"]["content"].split(" The answer is")[0],
-            }
-            for r in rows
-        ]
+        out = [{"messages": r["messages"], "chosen": r["chosen"]["content"],
+                "rejected": r["chosen"]["content"].split(" The answer is")[0]} for r in rows]
         (folder / f"{split}.jsonl").write_text("".join(json.dumps(o) + "\n" for o in out))
     columns = {"messages": "messages", "chosen": "chosen", "rejected": "rejected"}
-    write_yaml(
-        folder / "dataset_info.yaml",
-        {
-            f"fmt_{split}": {"file_name": f"{split}.jsonl", "ranking": True, "columns": columns}
-            for split in ("train", "test")
-        },
-    )
+    write_yaml(folder / "dataset_info.yaml", {f"fmt_{split}": {"file_name": f"{split}.jsonl", "ranking": True,
+                                                               "columns": columns} for split in ("train", "test")})
     return folder
 
 
@@ -141,13 +117,10 @@ def test_rm_ranks_heldout_pairs_and_saves_a_plain_classifier(tmp_path: Path):
     from rlfactory.model.heads import load_reward_model, score_conversations
 
     folder = _format_pairs(tmp_path)
-    cfg = _config(
-        tmp_path,
-        "rm",
-        rm={"center_rewards_coefficient": 0.01},
-        data={"dataset": "fmt_train", "eval_dataset": "fmt_test", "dataset_dir": str(folder), "max_samples": 160},
-        train={"max_steps": 10, "per_device_batch_size": 16, "learning_rate": 3e-3},
-    )
+    cfg = _config(tmp_path, "rm", rm={"center_rewards_coefficient": 0.01},
+                  data={"dataset": "fmt_train", "eval_dataset": "fmt_test", "dataset_dir": str(folder),
+                        "max_samples": 160},
+                  train={"max_steps": 10, "per_device_batch_size": 16, "learning_rate": 3e-3})
     summary = rm.run(validate_config(cfg, "test"))
     out = tmp_path / "out"
     first, last = _evals(out)
@@ -162,11 +135,8 @@ def test_rm_ranks_heldout_pairs_and_saves_a_plain_classifier(tmp_path: Path):
     rejected = score_conversations(model, tokenizer, [p["messages"] + p["rejected"] for p in pairs])
     assert sum(c > r for c, r in zip(chosen, rejected, strict=True)) / len(pairs) >= 0.7
     with torch.no_grad():  # the plain transformers load gives the same rewards as the helper
-        ids = tokenizer(
-            tokenizer.apply_chat_template(pairs[0]["messages"] + pairs[0]["chosen"], tokenize=False),
-            add_special_tokens=False,
-            return_tensors="pt",
-        )
+        ids = tokenizer(tokenizer.apply_chat_template(pairs[0]["messages"] + pairs[0]["chosen"], tokenize=False),
+                        add_special_tokens=False, return_tensors="pt")
         assert float(direct(**ids).logits[0, 0]) == pytest.approx(chosen[0], abs=1e-4)
 
 
@@ -204,9 +174,8 @@ def _registry(tmp_path: Path, rows: list[dict], ranking: bool) -> Path:
     columns = {"messages": "messages", **({"chosen": "chosen", "rejected": "rejected"} if ranking else {})}
     if not ranking:
         columns["kto_tag"] = "label"
-    write_yaml(
-        folder / "dataset_info.yaml", {"mine": {"file_name": "rows.jsonl", "ranking": ranking, "columns": columns}}
-    )
+    write_yaml(folder / "dataset_info.yaml", {"mine": {"file_name": "rows.jsonl", "ranking": ranking,
+                                                        "columns": columns}})
     return folder
 
 
@@ -216,20 +185,10 @@ PROMPT = [{"role": "user", "content": "What is 2 + 3?"}]
 @pytest.mark.parametrize(
     ("stage", "rows", "ranking", "overrides", "message"),
     [
-        (
-            "kto",
-            [{"messages": PROMPT + [{"role": "assistant", "content": "5"}], "label": True}] * 4,
-            False,
-            [],
-            "only desirable",
-        ),
-        (
-            "dpo",
-            [{"messages": PROMPT, "chosen": "5", "rejected": "6"}] * 4,
-            True,
-            ["dpo.loss_type=sigmod"],
-            "valid names: hinge, ipo, robust, sigmoid, simpo",
-        ),
+        ("kto", [{"messages": PROMPT + [{"role": "assistant", "content": "5"}], "label": True}] * 4, False, [],
+         "only desirable"),
+        ("dpo", [{"messages": PROMPT, "chosen": "5", "rejected": "6"}] * 4, True, ["dpo.loss_type=sigmod"],
+         "valid names: hinge, ipo, robust, sigmoid, simpo"),
         ("dpo", [{"messages": PROMPT, "chosen": "5", "rejected": ""}] * 4, True, [], "'rejected' is missing or empty"),
         ("rm", [{"messages": PROMPT, "chosen": "5", "rejected": "5"}] * 4, True, [], "identical"),
     ],

@@ -20,13 +20,10 @@ def _train(tmp_path: Path, cfg: dict, *overrides: str) -> Path:
 
 
 def test_lora_sft_eval_loss_falls_and_saves_an_adapter(tmp_path: Path, sft_config: dict):
-    cfg = {
-        **sft_config,
-        "data": {**sft_config["data"], "max_samples": 512, "eval_dataset": "arith_sft_eval"},
-        "lora": {"r": 8, "alpha": 16},
-        "train": {"max_steps": 30, "per_device_batch_size": 16, "learning_rate": 2e-3, "eval_steps": 15},
-        "logging": {"progress_bar": False, "plot_loss": True, "logging_steps": 5},
-    }
+    cfg = {**sft_config, "data": {**sft_config["data"], "max_samples": 512, "eval_dataset": "arith_sft_eval"},
+           "lora": {"r": 8, "alpha": 16},
+           "train": {"max_steps": 30, "per_device_batch_size": 16, "learning_rate": 2e-3, "eval_steps": 15},
+           "logging": {"progress_bar": False, "plot_loss": True, "logging_steps": 5}}
     out = _train(tmp_path, cfg)
     log = read_log(out)
     evals = [r["eval_loss"] for r in log if "eval_loss" in r]
@@ -48,11 +45,8 @@ def test_lora_sft_eval_loss_falls_and_saves_an_adapter(tmp_path: Path, sft_confi
 
 @pytest.mark.parametrize("finetuning", ["full", "freeze"])
 def test_full_and_freeze_save_full_weights(tmp_path: Path, sft_config: dict, finetuning: str):
-    cfg = {
-        **sft_config,
-        "model": {"name_or_path": str(TINY_MODEL), "finetuning": finetuning},
-        "freeze": {"trainable_layers": 1},
-    }
+    cfg = {**sft_config, "model": {"name_or_path": str(TINY_MODEL), "finetuning": finetuning},
+           "freeze": {"trainable_layers": 1}}
     out = _train(tmp_path, cfg)
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -70,9 +64,8 @@ def test_full_and_freeze_save_full_weights(tmp_path: Path, sft_config: dict, fin
 def test_packing_trains_and_counts_the_same_tokens(tmp_path: Path, sft_config: dict):
     cfg = {**sft_config, "data": {**sft_config["data"], "packing": True, "shuffle": False}}
     out = _train(tmp_path, cfg)
-    padded = _train(
-        tmp_path, {**cfg, "output_dir": str(tmp_path / "padded"), "data": {**cfg["data"], "packing": False}}
-    )
+    padded = _train(tmp_path, {**cfg, "output_dir": str(tmp_path / "padded"),
+                               "data": {**cfg["data"], "packing": False}})
     first = [read_log(d)[0] for d in (out, padded)]
     assert first[0]["loss"] == pytest.approx(first[1]["loss"], rel=1e-4)  # same documents, same first loss
 
@@ -84,12 +77,8 @@ def test_pipeline_second_stage_starts_from_the_first(tmp_path: Path, sft_config:
         "defaults": {"data": stage["data"], "logging": stage["logging"], "lora": stage["lora"]},
         "stages": [
             {"stage": "sft", "name": "first", "model": stage["model"], "train": {"max_steps": 2}},
-            {
-                "stage": "sft",
-                "name": "second",
-                "model": {"from_stage": "first", "finetuning": "lora"},
-                "train": {"max_steps": 2},
-            },
+            {"stage": "sft", "name": "second", "model": {"from_stage": "first", "finetuning": "lora"},
+             "train": {"max_steps": 2}},
         ],
     }
     result = run_cli("train", str(write_yaml(tmp_path / "pipe.yaml", pipeline)))

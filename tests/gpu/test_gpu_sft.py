@@ -16,22 +16,11 @@ def _cfg(tmp_path: Path, finetuning: str, packing: bool) -> dict:
         "stage": "sft",
         "output_dir": str(tmp_path / f"{finetuning}-{packing}"),
         "model": {"name_or_path": str(TINY_MODEL), "finetuning": finetuning, "dtype": "auto"},
-        "data": {
-            "dataset": "arith_sft",
-            "eval_dataset": "arith_sft_eval",
-            "dataset_dir": str(DATA_DIR),
-            "max_samples": 2000,
-            "packing": packing,
-        },
+        "data": {"dataset": "arith_sft", "eval_dataset": "arith_sft_eval", "dataset_dir": str(DATA_DIR),
+                 "max_samples": 2000, "packing": packing},
         "lora": {"r": 8, "alpha": 16},
-        "train": {
-            "num_epochs": 2,
-            "per_device_batch_size": 16,
-            "learning_rate": 2e-3 if finetuning == "lora" else 2e-4,
-            "warmup_ratio": 0.1,
-            "eval_steps": 50,
-            "mixed_precision": "auto",
-        },
+        "train": {"num_epochs": 2, "per_device_batch_size": 16, "learning_rate": 2e-3 if finetuning == "lora" else 2e-4,
+                  "warmup_ratio": 0.1, "eval_steps": 50, "mixed_precision": "auto"},
         "logging": {"progress_bar": False, "plot_loss": False},
     }
 
