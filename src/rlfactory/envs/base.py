@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlfactory.algos.registry import Registry
+from rlfactory.plugins import Registry
 from rlfactory.tools.execute import ExecLimits, ToolResult, run_calls_async
 from rlfactory.tools.parsers import ToolCall
 from rlfactory.tools.spec import Tool
@@ -65,7 +65,7 @@ class ToolEnv(Env):
 def build_env_factory(ref: str, tools: dict[str, Tool], limits: ExecLimits, kwargs: dict[str, Any]):
     """``agent.env`` (a registered name or ``path/to/file.py:Class``) -> a zero-argument factory of instances."""
     if ref.endswith(".py") or ".py:" in ref:
-        from rlfactory.rewards.stack import load_user_function
+        from rlfactory.plugins import load_user_function
 
         cls = load_user_function(ref, what="agent.env")
     else:

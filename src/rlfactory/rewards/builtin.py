@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from rlfactory.algos.registry import Registry
+from rlfactory.plugins import Registry
 
 REWARD_FUNCTIONS = Registry("reward function")
 
