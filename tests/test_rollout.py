@@ -11,6 +11,8 @@ import pytest
 import torch
 from tests.conftest import DATA_DIR, TINY_MODEL
 
+from rlfactory.config.schema import RunConfig
+from rlfactory.errors import UserError
 from rlfactory.rollout.base import Completion, SamplingParams
 from rlfactory.rollout.batch import pack_rollouts, response_logits
 
@@ -114,3 +116,34 @@ def test_logprobs_of_a_padded_batch_equal_unpadded_forwards(tiny):
             n = len(completion.token_ids)
             assert torch.allclose(logprobs[row, :n], expected, atol=1e-5)
             assert (logprobs[row, n:] == 0).all() and (entropy[row, n:] == 0).all()
+
+
+def _grpo_config(**rollout) -> RunConfig:
+    return RunConfig.model_validate(
+        {
+            "stage": "grpo",
+            "model": {"name_or_path": str(TINY_MODEL)},
+            "data": {"dataset": "arith_prompts", "dataset_dir": str(DATA_DIR)},
+            "rollout": rollout,
+            "reward": {"functions": {"answer_match": 1.0}},
+        }
+    )
+
+
+def test_backends_are_built_by_name_and_their_traits_match_the_classes(tiny):
+    from rlfactory.rollout.backends import BACKENDS, build_backend
+    from rlfactory.rollout.hf import HFBackend
+    from rlfactory.rollout.vllm import VLLMBackend  # the class only: vllm itself is imported by its __init__
+
+    assert BACKENDS.names() == ["hf", "vllm"]
+    assert BACKENDS.traits("hf") == {"syncs_weights": HFBackend.syncs_weights, "package": None}
+    assert BACKENDS.traits("vllm") == {"syncs_weights": VLLMBackend.syncs_weights, "package": "vllm"}
+    assert HFBackend.syncs_weights is False and VLLMBackend.syncs_weights is True
+    model, tokenizer = tiny
+    backend = build_backend(_grpo_config(generation_batch_size=5), model, tokenizer)
+    assert isinstance(backend, HFBackend) and backend.batch_size == 5 and backend.model is model
+    cfg = _grpo_config()
+    typo = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"backend": "vlm"})})
+    valid = r"unknown rollout backend 'vlm' \(did you mean 'vllm'\?\); valid names: hf, vllm"
+    with pytest.raises(UserError, match=valid):
+        build_backend(typo, model, tokenizer)

@@ -61,7 +61,7 @@ def _prompts(tokenizer, n: int) -> list[list[int]]:
 def engine(request):
     """(mode, policy, tokenizer, backend, prompts): one engine per sync mode, shared by the tests of that mode."""
     from rlfactory.model.loader import load_model, load_tokenizer
-    from rlfactory.rollout.base import build_backend
+    from rlfactory.rollout.backends import build_backend
 
     cfg = RunConfig.model_validate(_cfg(request.param))
     tokenizer = load_tokenizer(cfg.model)

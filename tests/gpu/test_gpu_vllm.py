@@ -62,7 +62,7 @@ def _sync_check(mode: str, tmp: Path) -> dict:
     and vs the policy as it was before the perturbation (what a stale engine would match)."""
     from rlfactory.model.loader import load_model, load_tokenizer
     from rlfactory.render.chat import render_prompt
-    from rlfactory.rollout.base import build_backend
+    from rlfactory.rollout.backends import build_backend
     from rlfactory.rollout.batch import pack_rollouts
     from rlfactory.stages.online_update import policy_forward
 

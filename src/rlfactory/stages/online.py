@@ -26,7 +26,8 @@ from rlfactory.engine import online as engine
 from rlfactory.engine.trainer import TrainResult, build_accelerator
 from rlfactory.errors import UserError
 from rlfactory.rewards.stack import RewardStack, Sample, score_metrics
-from rlfactory.rollout.base import SamplingParams, build_backend
+from rlfactory.rollout.backends import build_backend
+from rlfactory.rollout.base import SamplingParams
 from rlfactory.stages import online_agent
 from rlfactory.stages import online_update as ops
 from rlfactory.stages.online_setup import Reference, needs_reference
