@@ -8,7 +8,7 @@ import torch
 from tests.conftest import TINY_MODEL
 
 from rlfactory.config.schema import ModelConfig, ToolSpec
-from rlfactory.envs.base import build_env_factory
+from rlfactory.envs.factory import build_env_factory
 from rlfactory.model.loader import load_tokenizer
 from rlfactory.render.chat import render_prompt, render_segments
 from rlfactory.render.glue import ObservationGlue

@@ -40,7 +40,7 @@ def prepare_examples(cfg: RunConfig, examples: list[dict[str, Any]]) -> dict[str
 
 def build_agent(cfg: RunConfig, backend: Any, tokenizer: Any) -> AgentLoop | None:
     """The agent loop of this run, or None for single-turn rollouts."""
-    from rlfactory.envs.base import build_env_factory
+    from rlfactory.envs.factory import build_env_factory
     from rlfactory.tools.execute import ExecLimits
     from rlfactory.tools.spec import load_tools
 
