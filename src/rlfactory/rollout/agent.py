@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rlfactory.envs.base import Env, StepResult
@@ -110,7 +110,7 @@ class AgentLoop:
             if self.settings.max_tokens_per_turn is None
             else min(max(left), self.settings.max_tokens_per_turn)
         )
-        turn_params = SamplingParams(cap, params.temperature, params.top_p, params.top_k)
+        turn_params = replace(params, max_tokens=cap)  # every other setting as given
         outs = self.backend.generate([c.example["prompt_ids"] + c.ids for c in live], turn_params)
         for conv, out, budget in zip(live, outs, left, strict=True):
             ids, logprobs, reason = out.token_ids, out.logprobs, out.finish_reason

@@ -14,7 +14,10 @@ the loop never branches on a name.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    from rlfactory.config.online_schema import RolloutConfig
 
 FinishReason = Literal["stop", "length"]
 
@@ -29,6 +32,19 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     ignore_eos: bool = False
+
+    @classmethod
+    def from_rollout(cls, ro: RolloutConfig, max_tokens: int | None = None) -> SamplingParams:
+        """The ``rollout:`` section's sampling settings, each by name (so none is dropped on the way to the
+        sampler); ``max_tokens`` defaults to ``rollout.max_response_len``. Per-turn caps:
+        ``dataclasses.replace(params, max_tokens=...)``."""
+        return cls(
+            max_tokens=ro.max_response_len if max_tokens is None else max_tokens,
+            temperature=ro.temperature,
+            top_p=ro.top_p,
+            top_k=ro.top_k,
+            min_p=ro.min_p,
+        )
 
 
 @dataclass

@@ -126,7 +126,7 @@ def collect(run: Run) -> tuple[list[dict], list[dict], dict[str, int]]:
     rewards are not all equal (an all-equal group has zero advantage: nothing to learn from)."""
     ro = run.cfg.rollout
     assert ro is not None
-    params = SamplingParams(ro.max_response_len, ro.temperature, ro.top_p, ro.top_k)
+    params = SamplingParams.from_rollout(ro)
     kept: list[dict] = []
     generated: list[dict] = []
     failures: dict[str, int] = {}
