@@ -155,8 +155,9 @@ def test_min_p_from_the_rollout_config_reaches_the_vllm_sampler(engine):
     for value in (0.0, min_p):
         params = SamplingParams.from_rollout(RolloutConfig(min_p=value, max_response_len=12))
         ratios[value] = sampled_prob_ratios(policy, prompts, backend.generate(prompts, params))
-    print(f"p / top p below {min_p}: {int((ratios[0.0] < min_p).sum())} of {len(ratios[0.0])} tokens at min_p 0")
-    assert len(ratios[min_p]) > 200 and ratios[min_p].min() >= min_p * 0.99  # 1%: sampler vs trainer forwards
+    below = {value: f"{int((r < min_p).sum())} of {len(r)}" for value, r in ratios.items()}
+    print(f"tokens with p < {min_p} x top p, by min_p: {below}")
+    assert len(ratios[min_p]) > 100 and ratios[min_p].min() >= min_p * 0.99  # 1%: sampler vs trainer forwards
     assert (ratios[0.0] < min_p * 0.99).sum() >= 10
 
 
