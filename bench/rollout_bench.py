@@ -137,7 +137,8 @@ def case_gen(args, model_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlfactory.config.schema import RunConfig
-    from rlfactory.rollout.base import SamplingParams, build_backend
+    from rlfactory.rollout.backends import build_backend
+    from rlfactory.rollout.base import SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     cuda = torch.cuda.is_available()

@@ -6,9 +6,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import yaml
+
+if TYPE_CHECKING:
+    import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_MODEL = Path(os.environ.get("RLFACTORY_TEST_MODEL", ROOT / "data" / "models" / "tiny-arith"))
@@ -54,3 +58,28 @@ def expect_train_error(tmp_path: Path, cfg: dict, *fragments: str) -> None:
     for fragment in fragments:
         assert fragment in result.stderr, result.stderr
     assert not Path(cfg["output_dir"]).exists()
+
+
+def random_prompts(n: int, copies: int, length: int = 12, seed: int = 0) -> list[list[int]]:
+    """``n`` prompts of random ordinary token ids (3..999 of the tiny model), each ``copies`` times in a row. On
+    them the tiny model's next-token distributions are flat; on the task's prompts it is too sure of itself for a
+    sampling setting such as min_p to show in a few hundred tokens."""
+    import torch
+
+    ids = torch.randint(3, 1000, (n, length), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [prompt for prompt in ids for _ in range(copies)]
+
+
+def sampled_prob_ratios(model, prompts: list[list[int]], completions: list) -> torch.Tensor:
+    """p(sampled token) / p(most likely token) under the model's own softmax (temperature 1), for every sampled
+    token: min_p sampling keeps exactly the tokens whose ratio is at least min_p."""
+    import torch
+
+    ratios = []
+    with torch.no_grad():
+        for prompt, completion in zip(prompts, completions, strict=True):
+            ids = completion.token_ids
+            logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()
+            probs = logits.softmax(-1)
+            ratios.append(probs[torch.arange(len(ids)), ids] / probs.max(-1).values)
+    return torch.cat(ratios)

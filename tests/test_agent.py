@@ -7,8 +7,9 @@ import pytest
 import torch
 from tests.conftest import TINY_MODEL
 
+from rlfactory.config.online_schema import RolloutConfig
 from rlfactory.config.schema import ModelConfig, ToolSpec
-from rlfactory.envs.base import build_env_factory
+from rlfactory.envs.factory import build_env_factory
 from rlfactory.model.loader import load_tokenizer
 from rlfactory.render.chat import render_prompt, render_segments
 from rlfactory.render.glue import ObservationGlue
@@ -32,10 +33,12 @@ class ScriptedBackend:
     def __init__(self, tokenizer, scripts: dict[str, list[str]], stop: str = "<|im_end|>"):
         self.tok, self.scripts, self.stop = tokenizer, scripts, stop
         self.calls: list[int] = []
+        self.params: list[SamplingParams] = []
         self.turn_of = lambda text: text.count("<|im_start|>assistant") - 1
 
     def generate(self, prompts, params):
         self.calls.append(len(prompts))
+        self.params.append(params)
         out = []
         for ids in prompts:
             text = self.tok.decode(ids)
@@ -123,6 +126,18 @@ def test_three_turn_masks_are_token_exact_and_equal_the_training_render(tokenize
     )
     assert all(lp == 0.0 for lp, m in zip(res.completion.logprobs, res.completion.mask, strict=True) if not m)
     assert res.final_text == THREE_TURNS[-1]
+
+
+def test_every_turn_samples_with_the_rollout_settings(tokenizer, calc):
+    """A turn's cap (what is left of the budget) changes max_tokens only: min_p, top_k, top_p and temperature of
+    ``rollout:`` reach every turn's backend call."""
+    backend = ScriptedBackend(tokenizer, {"Q1": THREE_TURNS})
+    settings = {"temperature": 0.7, "top_p": 0.9, "top_k": 50, "min_p": 0.05}
+    params = SamplingParams.from_rollout(RolloutConfig(max_response_len=400, **settings))
+    [res] = _loop(tokenizer, backend, calc).run([_example(tokenizer, "Q1")], params)
+    caps = [p.max_tokens for p in backend.params]
+    assert len(res.turns) == 3 and caps[0] == 400 and caps[0] > caps[1] > caps[2]  # capped by what is left
+    assert backend.params == [SamplingParams(max_tokens=cap, **settings) for cap in caps]
 
 
 def test_glue_from_prefix_differences_equals_a_full_render(tokenizer):

@@ -16,7 +16,7 @@ from tests.conftest import DATA_DIR, TINY_MODEL, run_cli, write_yaml
 from tests.test_agent import ScriptedBackend, assert_rollout_equals_training_render
 
 from rlfactory.config.schema import ModelConfig, ToolSpec
-from rlfactory.envs.base import build_env_factory
+from rlfactory.envs.factory import build_env_factory
 from rlfactory.model.loader import load_tokenizer
 from rlfactory.render.chat import render_prompt, render_segments, stop_ids, stop_strings
 from rlfactory.rollout.agent import AgentLoop, AgentSettings

@@ -3,14 +3,17 @@ checkpoint's generation_config cannot override), and token-in/token-out log-prob
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from tests.conftest import DATA_DIR, TINY_MODEL
+from tests.conftest import DATA_DIR, TINY_MODEL, random_prompts, sampled_prob_ratios
 
+from rlfactory.config.schema import RunConfig
+from rlfactory.errors import UserError
 from rlfactory.rollout.base import Completion, SamplingParams
 from rlfactory.rollout.batch import pack_rollouts, response_logits
 
@@ -114,3 +117,105 @@ def test_logprobs_of_a_padded_batch_equal_unpadded_forwards(tiny):
             n = len(completion.token_ids)
             assert torch.allclose(logprobs[row, :n], expected, atol=1e-5)
             assert (logprobs[row, n:] == 0).all() and (entropy[row, n:] == 0).all()
+
+
+def _grpo_config(**rollout) -> RunConfig:
+    return RunConfig.model_validate(
+        {
+            "stage": "grpo",
+            "model": {"name_or_path": str(TINY_MODEL)},
+            "data": {"dataset": "arith_prompts", "dataset_dir": str(DATA_DIR)},
+            "rollout": rollout,
+            "reward": {"functions": {"answer_match": 1.0}},
+        }
+    )
+
+
+def test_backends_are_built_by_name_and_their_traits_match_the_classes(tiny):
+    from rlfactory.rollout.backends import BACKENDS, build_backend
+    from rlfactory.rollout.hf import HFBackend
+    from rlfactory.rollout.vllm import VLLMBackend  # the class only: vllm itself is imported by its __init__
+
+    assert BACKENDS.names() == ["hf", "vllm"]
+    assert BACKENDS.traits("hf") == {"syncs_weights": HFBackend.syncs_weights, "package": None}
+    assert BACKENDS.traits("vllm") == {"syncs_weights": VLLMBackend.syncs_weights, "package": "vllm"}
+    assert HFBackend.syncs_weights is False and VLLMBackend.syncs_weights is True
+    model, tokenizer = tiny
+    backend = build_backend(_grpo_config(generation_batch_size=5), model, tokenizer)
+    assert isinstance(backend, HFBackend) and backend.batch_size == 5 and backend.model is model
+    cfg = _grpo_config()
+    typo = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"backend": "vlm"})})
+    valid = r"unknown rollout backend 'vlm' \(did you mean 'vllm'\?\); valid names: hf, vllm"
+    with pytest.raises(UserError, match=valid):
+        build_backend(typo, model, tokenizer)
+
+
+SETTINGS = {"temperature": 0.7, "top_p": 0.9, "top_k": 50, "min_p": 0.05}  # none of them a default
+
+
+def test_sampling_params_take_every_sampling_setting_of_the_rollout_config_by_name():
+    from rlfactory.config.online_schema import RolloutConfig
+
+    ro = RolloutConfig(max_response_len=33, **SETTINGS)
+    params = SamplingParams.from_rollout(ro)
+    assert params == SamplingParams(max_tokens=33, ignore_eos=False, **SETTINGS)
+    assert SamplingParams.from_rollout(ro, max_tokens=5) == SamplingParams(max_tokens=5, **SETTINGS)
+    # a sampler field that rollout: also has must come from it (a new one, added to both, cannot be dropped)
+    shared = {f.name for f in dataclasses.fields(SamplingParams)} & set(RolloutConfig.model_fields)
+    assert shared == set(SETTINGS) and all(getattr(params, name) == SETTINGS[name] for name in shared)
+
+
+class RecordingBackend:
+    """The run's real backend, recording the sampling settings of every call."""
+
+    def __init__(self, inner):
+        self.inner, self.params = inner, []
+
+    def generate(self, prompts, params):
+        self.params.append(params)
+        return self.inner.generate(prompts, params)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def test_the_online_step_samples_with_every_setting_of_the_rollout_config(tmp_path: Path):
+    from accelerate.state import AcceleratorState
+
+    from rlfactory.engine.online.loop import build_run
+    from rlfactory.engine.online.phases import collect
+    from rlfactory.model.loader import load_model, load_tokenizer
+    from rlfactory.stages.rl import load_prompt_sets, render_prompts
+
+    cfg = _grpo_config(prompts_per_step=2, num_samples=2, max_response_len=8, **SETTINGS)
+    cfg = cfg.model_copy(update={"output_dir": str(tmp_path / "out")})
+    tokenizer = load_tokenizer(cfg.model)
+    prompts = render_prompts(cfg, tokenizer, load_prompt_sets(cfg)[0])
+    try:
+        run = build_run(cfg, load_model(cfg.model, cfg.lora, cfg.freeze), tokenizer, prompts, [])
+        run.rollouts.backend = recording = RecordingBackend(run.rollouts.backend)
+        kept, generated, _ = collect(run)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)  # a process-wide singleton: leave none behind
+    assert len(generated) == 4 and recording.params == [SamplingParams(max_tokens=8, **SETTINGS)]
+
+
+MIN_P = 0.3
+
+
+def test_min_p_from_the_rollout_config_reaches_the_hf_sampler(tiny):
+    """With min_p every sampled token has p >= min_p x the top token's p under the model's own softmax; without
+    it, the same prompts and seed sample tokens below that line."""
+    from rlfactory.config.online_schema import RolloutConfig
+    from rlfactory.rollout.hf import HFBackend
+
+    model, tokenizer = tiny
+    prompts = random_prompts(4, 4)
+    ratios = {}
+    for min_p in (0.0, MIN_P):
+        torch.manual_seed(0)
+        params = SamplingParams.from_rollout(RolloutConfig(min_p=min_p, max_response_len=12))
+        ratios[min_p] = sampled_prob_ratios(model, prompts, HFBackend(model, tokenizer).generate(prompts, params))
+    print(f"p / top p below {MIN_P}: {int((ratios[0.0] < MIN_P).sum())} of {len(ratios[0.0])} tokens at min_p 0")
+    assert len(ratios[MIN_P]) > 100 and ratios[MIN_P].min() >= MIN_P * 0.99  # 1%: padded vs unpadded forwards
+    assert (ratios[0.0] < MIN_P * 0.99).sum() >= 10  # measured: 43 of 192

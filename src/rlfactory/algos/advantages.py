@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from rlfactory.algos.common import masked_sum, masked_whiten
-from rlfactory.algos.registry import Registry
 from rlfactory.errors import UserError
+from rlfactory.plugins import Registry
 
 ADV_ESTIMATORS = Registry("advantage estimator")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rlfactory.algos.registry import Registry
+from rlfactory.plugins import Registry
 
 LOSS_AGG = Registry("loss aggregation")
 

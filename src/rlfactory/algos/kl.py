@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from rlfactory.algos.registry import Registry
 from rlfactory.errors import UserError
+from rlfactory.plugins import Registry
 
 KL_ESTIMATORS = Registry("kl estimator")
 

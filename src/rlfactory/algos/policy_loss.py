@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from rlfactory.algos.common import masked_mean, masked_sum
-from rlfactory.algos.registry import Registry
 from rlfactory.errors import UserError
+from rlfactory.plugins import Registry
 
 POLICY_LOSSES = Registry("policy loss")
 

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlfactory.algos.registry import Registry
 from rlfactory.errors import UserError
+from rlfactory.plugins import Registry
 
 PREFERENCE_LOSSES = Registry("preference loss")
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from rlfactory.algos.common import masked_mean
-from rlfactory.algos.registry import Registry
+from rlfactory.plugins import Registry
 
 IS_CORRECTIONS = Registry("importance-sampling correction")
 

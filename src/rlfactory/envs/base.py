@@ -7,7 +7,7 @@ observation messages to append (``tool`` and/or ``user`` messages), whether the 
 parts (summed over the episode and exposed to rewards as ``example["agent"]["reward_parts"]``; the
 ``env_reward`` reward function logs and weights them). ``step`` may be ``async def``: the loop steps every
 live conversation concurrently. Environments are chosen by name (``agent.env``) or
-``path/to/file.py:Class``.
+``path/to/file.py:Class`` (:mod:`rlfactory.envs.factory`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlfactory.algos.registry import Registry
+from rlfactory.plugins import Registry
 from rlfactory.tools.execute import ExecLimits, ToolResult, run_calls_async
 from rlfactory.tools.parsers import ToolCall
 from rlfactory.tools.spec import Tool
@@ -60,16 +60,3 @@ class ToolEnv(Env):
             for call, result in zip(calls, results, strict=True)
         ]
         return StepResult(observation, False, {}, results)
-
-
-def build_env_factory(ref: str, tools: dict[str, Tool], limits: ExecLimits, kwargs: dict[str, Any]):
-    """``agent.env`` (a registered name or ``path/to/file.py:Class``) -> a zero-argument factory of instances."""
-    if ref.endswith(".py") or ".py:" in ref:
-        from rlfactory.rewards.stack import load_user_function
-
-        cls = load_user_function(ref, what="agent.env")
-    else:
-        import rlfactory.envs.arith_feedback  # noqa: F401 - registers the bundled example
-
-        cls = ENVIRONMENTS.get(ref)
-    return lambda: cls(tools, limits, **kwargs)

@@ -1,4 +1,5 @@
-"""Reward parts of multi-turn tool-calling rollouts, registered with the other reward functions.
+"""Reward parts of multi-turn tool-calling rollouts, registered with the other reward functions
+(``rewards.builtin`` imports this module, so its ``REWARD_FUNCTIONS`` holds them).
 
 Each reads the episode the agent loop recorded in ``example["agent"]`` (``turns`` with their parsed
 ``calls`` — ``error_kind`` malformed / unknown_tool / bad_arguments, ``tool_error`` when a valid call
@@ -13,7 +14,7 @@ import json
 import re
 from typing import Any
 
-from rlfactory.rewards.builtin import REWARD_FUNCTIONS
+from rlfactory.rewards.registry import REWARD_FUNCTIONS
 
 
 def _calls(example: dict[str, Any]) -> list[dict[str, Any]]:

@@ -12,9 +12,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from rlfactory.algos.registry import Registry
-
-REWARD_FUNCTIONS = Registry("reward function")
+from rlfactory.rewards import agent as _agent_rewards  # noqa: F401 - registers the tool-calling rewards
+from rlfactory.rewards.registry import REWARD_FUNCTIONS
 
 _ANSWER_RE = re.compile(r"answer is\s*:?\s*\$?(-?[\d,]*\.?\d+)", re.IGNORECASE)
 _NUMBER_RE = re.compile(r"-?\d[\d,]*\.?\d*")
@@ -220,6 +219,3 @@ def length_penalty(
     if buffer <= 0 or response_length >= max_response_len:
         return -penalty
     return (expected - response_length) / buffer * penalty
-
-
-from rlfactory.rewards import agent as _agent_rewards  # noqa: E402, F401 - registers the tool-calling rewards

@@ -12,7 +12,6 @@ thread is abandoned). A dict result is summed into the component; its keys are l
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import inspect
 import logging
 import math
@@ -20,11 +19,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from rlfactory.config.schema import RewardConfig
 from rlfactory.errors import UserError
+from rlfactory.plugins import load_user_function
 from rlfactory.rewards.builtin import REWARD_FUNCTIONS
 
 log = logging.getLogger(__name__)
@@ -61,27 +60,6 @@ class Scores:
     components: dict[str, list[float]]
     parts: dict[str, list[float]]  # "<component>/<key>" for dict results
     failures: dict[str, int]
-
-
-def load_user_function(spec: str, what: str = "reward.functions") -> Callable[..., Any]:
-    """``path/to/file.py:function`` -> the function (clear errors for a missing file or name); ``what`` is the YAML
-    key named in errors."""
-    path_text, _, name = spec.rpartition(":")
-    path = Path(path_text)
-    if not path.is_file():
-        raise UserError(f"{what}: '{spec}': file '{path}' does not exist")
-    module_spec = importlib.util.spec_from_file_location(f"rlfactory_user_reward_{path.stem}", path)
-    assert module_spec is not None and module_spec.loader is not None
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as exc:  # the user's module: any error is theirs to fix
-        raise UserError(f"{what}: importing '{path}' failed: {type(exc).__name__}: {exc}") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        found = [n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_")]
-        raise UserError(f"{what}: '{path}' has no function '{name}'; functions there: {', '.join(found)}")
-    return fn
 
 
 def is_user_function(spec: str) -> bool:

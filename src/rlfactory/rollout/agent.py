@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from rlfactory.envs.base import Env, StepResult
@@ -113,7 +113,7 @@ class AgentLoop:
             if self.settings.max_tokens_per_turn is None
             else min(max(left), self.settings.max_tokens_per_turn)
         )
-        turn_params = SamplingParams(cap, params.temperature, params.top_p, params.top_k)
+        turn_params = replace(params, max_tokens=cap)  # every other setting as given
         outs = self.backend.generate([c.example["prompt_ids"] + c.ids for c in live], turn_params)
         for conv, out, budget in zip(live, outs, left, strict=True):
             ids, logprobs, reason = out.token_ids, out.logprobs, out.finish_reason
@@ -252,8 +252,8 @@ class Rollouts:
 
 def build_rollouts(cfg: RunConfig, model: Any, tokenizer: Any) -> Rollouts:
     """The run's backend (``rollout.backend``), wrapped in the agent loop when tools or an env are configured."""
-    from rlfactory.envs.base import build_env_factory
-    from rlfactory.rollout.base import build_backend
+    from rlfactory.envs.factory import build_env_factory
+    from rlfactory.rollout.backends import build_backend
     from rlfactory.tools.execute import ExecLimits
     from rlfactory.tools.spec import load_tools
 

@@ -6,8 +6,9 @@ sampler's per-token log-probs when it has them (vLLM does; HF's ``generate`` ret
 scores, not log-probs, so it gives None), a per-token mask (1 = produced by the policy; a multi-turn
 agent loop sets 0 on tool outputs it splices in) and why generation stopped. Backends:
 ``hf`` (:mod:`rlfactory.rollout.hf`, generates with the policy itself) and ``vllm``
-(:mod:`rlfactory.rollout.vllm`, a separate engine that ``sync_weights`` updates after each step).
-A backend says whether it needs that sync (``syncs_weights``), so the loop never branches on a name.
+(:mod:`rlfactory.rollout.vllm`, a separate engine that ``sync_weights`` updates after each step), built by
+name in :mod:`rlfactory.rollout.backends`. A backend says whether it needs that sync (``syncs_weights``), so
+the loop never branches on a name.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
-    from rlfactory.config.schema import RunConfig
+    from rlfactory.config.online_schema import RolloutConfig
 
 FinishReason = Literal["stop", "length"]
 
@@ -31,6 +32,19 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     ignore_eos: bool = False
+
+    @classmethod
+    def from_rollout(cls, ro: RolloutConfig, max_tokens: int | None = None) -> SamplingParams:
+        """The ``rollout:`` section's sampling settings, each by name (so none is dropped on the way to the
+        sampler); ``max_tokens`` defaults to ``rollout.max_response_len``. Per-turn caps:
+        ``dataclasses.replace(params, max_tokens=...)``."""
+        return cls(
+            max_tokens=ro.max_response_len if max_tokens is None else max_tokens,
+            temperature=ro.temperature,
+            top_p=ro.top_p,
+            top_k=ro.top_k,
+            min_p=ro.min_p,
+        )
 
 
 @dataclass
@@ -62,18 +76,3 @@ class GenerationBackend(Protocol):
     def close(self) -> None:
         """Free what the backend holds outside the process's memory (temporary files)."""
         ...
-
-
-def build_backend(cfg: RunConfig, model: Any, tokenizer: Any) -> GenerationBackend:
-    """The backend named by ``rollout.backend`` (vLLM is imported only here, so the CLI starts fast without it)."""
-    ro = cfg.rollout
-    assert ro is not None
-    if ro.backend == "hf":
-        from rlfactory.rollout.hf import HFBackend
-
-        return HFBackend(model, tokenizer, ro.generation_batch_size)
-    if ro.backend == "vllm":
-        from rlfactory.rollout.vllm import VLLMBackend
-
-        return VLLMBackend(cfg, model, tokenizer)
-    raise ValueError(f"unknown rollout backend {ro.backend!r}")

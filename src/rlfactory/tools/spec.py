@@ -57,7 +57,7 @@ def resolve_function(ref: str) -> tuple[Callable[..., Any], bool]:
         return BUILTIN_TOOLS[ref]
     target, _, name = ref.rpartition(":")
     if target.endswith(".py"):
-        from rlfactory.rewards.stack import load_user_function
+        from rlfactory.plugins import load_user_function
 
         return load_user_function(ref, what="tools"), False
     try:

@@ -50,8 +50,8 @@ _LOCK = threading.Lock()
 
 def validate(raw: dict[str, Any], source: str = "WebUI form") -> RunConfig:
     """The CLI's validation (schema, then datasets, model path and template); raises UserError."""
-    from rlfactory.config.check import check_config
     from rlfactory.config.loader import validate_config
+    from rlfactory.stages.check import check_config
 
     config = validate_config(raw, source)
     if not isinstance(config, RunConfig):

@@ -18,88 +18,26 @@ from __future__ import annotations
 
 import logging
 import math
-import time
-from collections import defaultdict
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from rlfactory.config.schema import RunConfig
 from rlfactory.engine import shared
 from rlfactory.engine.offline import TrainResult
-from rlfactory.engine.online.phases import step, trace_rows
+from rlfactory.engine.online.phases import LoopState, Run, step, trace_rows
 from rlfactory.engine.online.update import Updater
 from rlfactory.errors import UserError
 from rlfactory.rewards.stack import RewardStack, Sample, score_metrics
-from rlfactory.rollout.agent import Rollouts, build_rollouts, episode_metrics, episode_trace_fields
+from rlfactory.rollout.agent import build_rollouts, episode_metrics, episode_trace_fields
 from rlfactory.rollout.base import SamplingParams
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from rlfactory.algos.kl import AdaptiveKLController, FixedKLController
-    from rlfactory.model.reference import ReferencePolicy
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LoopState:
-    """What a checkpoint must restore besides the weights: the seeded prompt order is resumed from ``cursor``."""
-
-    step: int = 0
-    cursor: int = 0  # prompts drawn so far
-    group: int = 0  # the next prompt group's id
-    epoch: float = 0.0
-    kl_coef: float | None = None  # the adaptive controller's value
-
-
-class PhaseTimer:
-    """``with timer("gen"):`` adds the seconds to ``timing_s/gen`` (phases may repeat within a step)."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-
-    @contextmanager
-    def __call__(self, phase: str):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # attribute GPU work to the phase that queued it
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self.seconds[phase] += time.perf_counter() - start
-
-    def pop(self) -> dict[str, float]:
-        out = {f"timing_s/{k}": round(v, 4) for k, v in self.seconds.items()}
-        self.seconds.clear()
-        return out
-
-
-@dataclass
-class Run:
-    """Everything a step touches, built once by :func:`build_run`."""
-
-    cfg: RunConfig
-    accelerator: Accelerator
-    tokenizer: Any
-    out: Path
-    actor: Updater  # the policy and its optimizer
-    critic: Updater | None  # exactly when the estimator needs values
-    reference: ReferencePolicy | None  # exactly when a KL term is on
-    rollouts: Rollouts
-    rewards: RewardStack
-    kl_ctrl: FixedKLController | AdaptiveKLController
-    prompts: list[dict]
-    eval_prompts: list[dict]
-    total_steps: int
-    state: LoopState = field(default_factory=LoopState)
-    timer: PhaseTimer = field(default_factory=PhaseTimer)
 
 
 def _kl_controller(cfg: RunConfig) -> FixedKLController | AdaptiveKLController:
@@ -186,7 +124,9 @@ def validate(run: Run) -> tuple[dict[str, float], list[dict]]:
 
     ev = run.cfg.evaluation
     with run.accelerator.autocast():  # multi-turn evaluation runs the same agent loop, greedy
-        completions, finals, seen = run.rollouts.generate(run.eval_prompts, SamplingParams(ev.max_new_tokens, 0))
+        completions, finals, seen = run.rollouts.generate(
+            run.eval_prompts, SamplingParams(max_tokens=ev.max_new_tokens, temperature=0)
+        )
     decode = run.tokenizer.decode
     samples = [
         Sample(

@@ -22,20 +22,84 @@ has (a reference, a critic) and by the registry entries' traits, never by a stag
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rlfactory.config.schema import RunConfig
 from rlfactory.engine.online import update as ops
 from rlfactory.engine.shared import peak_memory_gb
-from rlfactory.rewards.stack import Sample, Scores, score_metrics
-from rlfactory.rollout.agent import episode_metrics, episode_trace_fields
+from rlfactory.rewards.stack import RewardStack, Sample, Scores, score_metrics
+from rlfactory.rollout.agent import Rollouts, episode_metrics, episode_trace_fields
 from rlfactory.rollout.base import SamplingParams
 from rlfactory.rollout.batch import RolloutBatch, pack_rollouts
 
 if TYPE_CHECKING:
-    from rlfactory.engine.online.loop import Run
+    from accelerate import Accelerator
+
+    from rlfactory.algos.kl import AdaptiveKLController, FixedKLController
+    from rlfactory.model.reference import ReferencePolicy
+
+
+@dataclass
+class LoopState:
+    """What a checkpoint must restore besides the weights: the seeded prompt order is resumed from ``cursor``."""
+
+    step: int = 0
+    cursor: int = 0  # prompts drawn so far
+    group: int = 0  # the next prompt group's id
+    epoch: float = 0.0
+    kl_coef: float | None = None  # the adaptive controller's value
+
+
+class PhaseTimer:
+    """``with timer("gen"):`` adds the seconds to ``timing_s/gen`` (phases may repeat within a step)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, phase: str):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # attribute GPU work to the phase that queued it
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.seconds[phase] += time.perf_counter() - start
+
+    def pop(self) -> dict[str, float]:
+        out = {f"timing_s/{k}": round(v, 4) for k, v in self.seconds.items()}
+        self.seconds.clear()
+        return out
+
+
+@dataclass
+class Run:
+    """Everything a step touches, built once by ``loop.build_run``."""
+
+    cfg: RunConfig
+    accelerator: Accelerator
+    tokenizer: Any
+    out: Path
+    actor: ops.Updater  # the policy and its optimizer
+    critic: ops.Updater | None  # exactly when the estimator needs values
+    reference: ReferencePolicy | None  # exactly when a KL term is on
+    rollouts: Rollouts
+    rewards: RewardStack
+    kl_ctrl: FixedKLController | AdaptiveKLController
+    prompts: list[dict]
+    eval_prompts: list[dict]
+    total_steps: int
+    state: LoopState = field(default_factory=LoopState)
+    timer: PhaseTimer = field(default_factory=PhaseTimer)
 
 
 @dataclass
@@ -108,7 +172,7 @@ def collect(run: Run) -> tuple[list[Rollout], list[Rollout], dict[str, int]]:
     rewards are not all equal (an all-equal group has zero advantage: nothing to learn from)."""
     ro = run.cfg.rollout
     assert ro is not None
-    params = SamplingParams(ro.max_response_len, ro.temperature, ro.top_p, ro.top_k)
+    params = SamplingParams.from_rollout(ro)
     kept: list[Rollout] = []
     generated: list[Rollout] = []
     failures: dict[str, int] = {}

@@ -1,4 +1,8 @@
-"""``rlfactory config check``: everything that can be validated without training."""
+"""``rlfactory config check``: everything that can be validated without training.
+
+In the stages layer, not in ``config``: it loads datasets, a tokenizer and each stage's own ``check``,
+all of which sit above the schema (config imports nothing of the package but errors and plugins).
+"""
 
 from __future__ import annotations
 
