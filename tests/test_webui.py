@@ -10,6 +10,7 @@ The browser tests need /usr/bin/chromium (`.ci/run` installs it) and the `webui`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -17,6 +18,8 @@ import subprocess
 import sys
 import time
 import typing
+import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -25,6 +28,7 @@ import yaml
 from tests.conftest import DATA_DIR, ROOT, TINY_MODEL
 
 from rlfactory.engine.run_dir import list_checkpoints
+from rlfactory.webui.security import AUTH_ENV
 
 try:
     from playwright.sync_api import expect
@@ -83,18 +87,21 @@ def _browser_stack():
     return pytest.importorskip("playwright.sync_api", reason="the browser tests need playwright (dev extra)")
 
 
-@pytest.fixture(scope="module")
-def app_url(tmp_path_factory: pytest.TempPathFactory):
-    """The WebUI served from a scratch folder (examples/ and data/ linked in)."""
-    _browser_stack()
-    workdir = tmp_path_factory.mktemp("webui")
-    for name in ("examples", "data"):
-        (workdir / name).symlink_to(ROOT / name)
+@contextlib.contextmanager
+def _serve(workdir: Path, *args: str, env: dict | None = None) -> typing.Iterator[str]:
+    """`rlfactory webui` on a free loopback port, run from ``workdir``; yields its URL."""
     port = _free_port()
-    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
+    env = {
+        **os.environ,
+        "GRADIO_ANALYTICS_ENABLED": "False",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": str(ROOT / "src"),
+        **(env or {}),
+    }
+    env.pop(AUTH_ENV, None)
     log = open(workdir / "webui.log", "w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "rlfactory", "webui", "--port", str(port)],
+        [sys.executable, "-m", "rlfactory", "webui", "--host", "127.0.0.1", "--port", str(port), *args],
         cwd=workdir,
         env=env,
         stdout=log,
@@ -103,12 +110,25 @@ def app_url(tmp_path_factory: pytest.TempPathFactory):
     url = f"http://127.0.0.1:{port}/"
     try:
         _wait_http(url, process)
-        yield url, workdir
+        yield url
     finally:
         process.terminate()
         process.wait(timeout=20)
         _kill_leftover_runs(workdir)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def app_url(tmp_path_factory: pytest.TempPathFactory):
+    """The WebUI served from a scratch folder (examples/ and data/ linked in, so they resolve outside the
+    workspace: the WebUI is told it may read them with --allow-read)."""
+    _browser_stack()
+    workdir = tmp_path_factory.mktemp("webui")
+    for name in ("examples", "data"):
+        (workdir / name).symlink_to(ROOT / name)
+    allow = ["--allow-read", str(ROOT / "examples"), "--allow-read", str(ROOT / "data")]
+    with _serve(workdir, *allow) as url:
+        yield url, workdir
 
 
 @pytest.fixture(scope="module")
@@ -374,6 +394,130 @@ def test_chat_with_the_tiny_model(page):
     shot(page, "chat.png")
 
 
+# --------------------------------------------------------------------------- safety: workspace, Stop, origins
+def _message(page, button: str, message: str, *fragments: str) -> None:
+    page.locator(f"#{button}").click()
+    for fragment in fragments:
+        expect(page.locator(f"#{message}")).to_contain_text(fragment, timeout=20_000)
+
+
+def test_page_refuses_paths_outside_the_workspace(page, app_url, tmp_path_factory: pytest.TempPathFactory):
+    """Load, Save, Export and Chat refuse absolute paths, ../ and symlinks that lead out of the workspace,
+    and Save does not replace a file that is not a run YAML; nothing is read or written out there."""
+    _, workdir = app_url
+    outside = tmp_path_factory.mktemp("outside")
+    (outside / "run.yaml").write_text("stage: sft\noutput_dir: outputs/x\n")
+    (workdir / "link-out").symlink_to(outside)
+    (workdir / "notes.yaml").write_text("mine: true\n")
+    refused = "is outside the WebUI workspace"
+
+    for path in ("/etc/passwd", "/etc/no-such-file", "link-out/run.yaml", "../outside/run.yaml"):
+        box(page, "load-path").fill(path)
+        box(page, "load-path").press("Enter")
+        _message(page, "btn-load", "train-message", f"YAML to load '{path}' {refused}", "refused to read it")
+    expect(box(page, "field-output_dir")).not_to_have_value("outputs/x")
+
+    for path in ("../escape.yaml", "link-out/saved.yaml", str(outside / "abs.yaml")):
+        box(page, "save-path").fill(path)
+        _message(page, "btn-save", "train-message", f"save to '{path}' {refused}", "refused to write it")
+    box(page, "save-path").fill("notes.yaml")
+    _message(page, "btn-save", "train-message", "that file exists and is not a run YAML")
+    box(page, "save-path").fill("config.txt")
+    _message(page, "btn-save", "train-message", "give a file name ending in .yaml")
+    assert sorted(p.name for p in outside.iterdir()) == ["run.yaml"]
+    assert not (workdir.parent / "escape.yaml").exists() and not (workdir / "config.txt").exists()
+    assert (workdir / "notes.yaml").read_text() == "mine: true\n"
+
+    page.get_by_role("tab", name="Export").click()
+    box(page, "export-out").fill("link-out/merged")
+    _message(page, "export-btn", "export-message", f"export folder 'link-out/merged' {refused}")
+    page.get_by_role("tab", name="Chat").click()
+    box(page, "chat-model").fill("/etc")
+    box(page, "chat-model").press("Enter")
+    _message(page, "chat-load", "chat-status", f"model '/etc' {refused}")
+    assert sorted(p.name for p in outside.iterdir()) == ["run.yaml"]
+
+
+def test_stop_refuses_a_process_it_did_not_start(page, app_url):
+    """A state file naming an unrelated process (even with its true start time and command line): Stop
+    refuses and the process lives on."""
+    import psutil
+
+    _, workdir = app_url
+    sleeper = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        proc = psutil.Process(sleeper.pid)
+        forged = workdir / "outputs" / "forged"
+        forged.mkdir(parents=True)
+        state = {"status": "running", "pid": sleeper.pid, "create_time": proc.create_time(), "command": proc.cmdline()}
+        (forged / "webui_run.json").write_text(json.dumps({**state, "workspace": str(workdir.resolve())}))
+        page.get_by_role("tab", name="Monitor").click()
+        box(page, "monitor-run").fill("outputs/forged")
+        box(page, "monitor-run").press("Enter")
+        _message(page, "monitor-stop", "monitor-status", f"refused to stop process {sleeper.pid}")
+        page.get_by_role("tab", name="Train").click()
+        set_field(page, "output_dir", "outputs/forged")
+        _message(page, "btn-stop", "train-message", f"refused to stop process {sleeper.pid}")
+        time.sleep(0.5)
+        assert sleeper.poll() is None and proc.status() != psutil.STATUS_ZOMBIE
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def _post(url: str, fields: dict, headers: dict | None = None) -> tuple[int, typing.Any]:
+    request = urllib.request.Request(url, urllib.parse.urlencode(fields).encode(), headers or {}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=20) as response:
+            return response.status, response.headers  # looked up case-insensitively
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers
+
+
+def _get(url: str, headers: dict) -> int:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=20) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+def test_cross_origin_requests_are_refused(app_url):
+    """Another site open in the same browser gets 403 (a form post needs no preflight); the page's own
+    origin is served."""
+    url, _ = app_url
+    own = url.rstrip("/")
+    assert _get(url + "config", {"Origin": own}) == 200
+    assert _get(url + "config", {"Origin": "http://evil.example"}) == 403
+    assert _post(url + "gradio_api/queue/join", {"a": "1"}, {"Origin": "http://evil.example"})[0] == 403
+    assert _post(url + "login", {"username": "a", "password": "b"}, {"Origin": "null"})[0] == 403
+
+
+def test_logins_are_throttled(tmp_path_factory: pytest.TempPathFactory):
+    """With --auth-file: after 3 wrong passwords the right one is refused (429, Retry-After) until the
+    back-off has passed, then accepted; every route answers 401 without a login."""
+    from rlfactory.webui import security
+
+    pytest.importorskip("gradio", reason="the WebUI needs the webui extra (gradio)")
+    workdir = tmp_path_factory.mktemp("auth")
+    secret = workdir / "auth.txt"
+    secret.write_text("admin:right-password\n")
+    secret.chmod(0o600)
+    with _serve(workdir, "--auth-file", str(secret)) as url:
+        assert _get(url + "config", {}) == 401
+        right, wrong = {"username": "admin", "password": "right-password"}, {"username": "admin", "password": "x"}
+        codes = [_post(url + "login", wrong)[0] for _ in range(security.FREE_FAILURES)]
+        locked_at = time.monotonic()
+        code, headers = _post(url + "login", right)
+        assert time.monotonic() - locked_at < security.BASE_LOCK_S / 2, "too slow to see the lock-out"
+        assert codes == [400] * security.FREE_FAILURES and code == 429
+        wait = float(headers["Retry-After"])
+        assert 0 < wait <= security.BASE_LOCK_S
+        time.sleep(wait + 0.2)
+        assert _post(url + "login", right)[0] == 200
+        assert time.monotonic() - locked_at >= security.BASE_LOCK_S
+
+
 # --------------------------------------------------------------------------- without a browser
 def test_form_comes_from_the_schema():
     """Every schema key gets exactly one field, of the right kind; a field added to the schema appears."""
@@ -536,18 +680,12 @@ def test_tool_calls_are_parsed_and_shown():
     assert shown[3] == {"role": "user", "content": "↳ tool result: 12"}
 
 
-def test_cli_webui_options_and_auth(monkeypatch: pytest.MonkeyPatch):
+def test_cli_webui_options():
     from rlfactory.cli import _parser
-    from rlfactory.errors import UserError
-    from rlfactory.webui.app import AUTH_ENV, parse_auth
 
     args = _parser().parse_args(["webui"])
     assert (args.host, args.port, args.share, args.auth) == ("127.0.0.1", 7860, False, None)
+    assert (args.auth_file, args.workspace, args.allow_read, args.insecure) == (None, None, [], False)
     assert _parser().parse_args(["webui", "--share", "true", "--port", "8000"]).share is True
-    monkeypatch.delenv(AUTH_ENV, raising=False)
-    assert parse_auth(None) is None
-    assert parse_auth("me:secret") == ("me", "secret")
-    monkeypatch.setenv(AUTH_ENV, "env:pw")
-    assert parse_auth(None) == ("env", "pw")
-    with pytest.raises(UserError, match="user:password"):
-        parse_auth("nocolon")
+    args = _parser().parse_args(["webui", "--allow-read", "a", "--allow-read", "b", "--insecure", "--workspace", "w"])
+    assert (args.allow_read, args.insecure, args.workspace) == (["a", "b"], True, "w")

@@ -53,7 +53,30 @@ def _parser() -> argparse.ArgumentParser:
         help="make a public gradio.live link (true/false)",
     )
     webui.add_argument(
-        "--auth", default=None, help="user:password required to open the page (or env RLFACTORY_WEBUI_AUTH)"
+        "--auth",
+        default=None,
+        help="user:password required to open the page (shows in the process list: prefer --auth-file "
+        "or env RLFACTORY_WEBUI_AUTH)",
+    )
+    webui.add_argument("--auth-file", default=None, metavar="FILE", help="file holding one line user:password")
+    webui.add_argument(
+        "--workspace",
+        default=None,
+        metavar="DIR",
+        help="the folder the page may read and write in (default: the current directory)",
+    )
+    webui.add_argument(
+        "--allow-read",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="another folder the page may read models, data and YAMLs from (repeatable)",
+    )
+    webui.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve a non-loopback --host or --share without a password (anyone who can reach it can "
+        "read and write the workspace and start runs)",
     )
     sub.add_parser("env", help="print versions of the stack and GPU info")
     sub.add_parser("version", help="print the rlfactory version")
@@ -106,13 +129,22 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_webui(args: argparse.Namespace) -> int:
-    try:
-        import gradio  # noqa: F401
-    except ImportError:
-        raise UserError("the WebUI needs gradio: pip install 'rlfactory[webui]'") from None
+    import importlib.util
+
+    if importlib.util.find_spec("gradio") is None:  # not imported here: bad arguments are refused at once
+        raise UserError("the WebUI needs gradio: pip install 'rlfactory[webui]'")
     from rlfactory.webui import launch
 
-    launch(host=args.host, port=args.port, share=args.share, auth=args.auth)
+    launch(
+        host=args.host,
+        port=args.port,
+        share=args.share,
+        auth=args.auth,
+        auth_file=args.auth_file,
+        insecure=args.insecure,
+        workspace_dir=args.workspace,
+        allow_read=args.allow_read,
+    )
     return 0
 
 

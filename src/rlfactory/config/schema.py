@@ -8,6 +8,7 @@ is one class; stage-specific sections are accepted only for their stage. The onl
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -24,6 +25,16 @@ from rlfactory.config.online_schema import (
 )
 
 Stage = Literal["sft", "rm", "dpo", "kto", "orpo", "ppo", "grpo"]
+
+
+def _non_empty_dir(value: Any) -> Any:
+    """An empty output_dir would mean the working directory: the run would fill (or wipe) the project.
+    ``~`` is expanded here, so that every later check and write sees the folder the user meant."""
+    if isinstance(value, str) and not value.strip():
+        raise ValueError("must not be empty; give a folder for this run, e.g. outputs/run")
+    return os.path.expanduser(value) if isinstance(value, str) else value
+
+
 STAGES: tuple[str, ...] = ("sft", "rm", "dpo", "kto", "orpo", "ppo", "grpo")
 
 
@@ -301,6 +312,7 @@ class RunConfig(Section):
     agent: AgentConfig | None = Field(None, description="Stages ppo and grpo only.")
 
     _tool_list = field_validator("tools", mode="before")(_tool_entries)
+    _output_dir = field_validator("output_dir", mode="before")(_non_empty_dir)
 
     @model_validator(mode="after")
     def _stage_sections(self) -> RunConfig:
@@ -373,6 +385,8 @@ class PipelineConfig(Section):
         default_factory=dict, description="Keys merged into every stage (a stage's own keys win)."
     )
     stages: list[RunConfig] = Field(..., min_length=1, description="The runs, in order.")
+
+    _output_dir = field_validator("output_dir", mode="before")(_non_empty_dir)
 
     @model_validator(mode="after")
     def _names(self) -> PipelineConfig:

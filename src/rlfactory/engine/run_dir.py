@@ -1,18 +1,31 @@
-"""The output directory of a run: refuse to clobber another run, find and rotate checkpoints, log lines."""
+"""The output directory of a run: refuse to clobber another run, find and rotate checkpoints, log lines.
+
+A run directory carries a marker, ``run.json`` (``{"tool": "rlfactory", "run_id": ...}``), written when the
+run starts. ``overwrite_output_dir`` deletes only a directory that holds this marker, an empty one, or a run
+written by an older rlfactory (no marker yet, but a ``config.yaml`` with a ``stage`` key next to a
+``trainer_log.jsonl`` or a ``checkpoint-*`` folder). Anything else is refused, and so is an output_dir
+that is the working directory, the home directory, a project root or a parent of one of them.
+"""
 
 from __future__ import annotations
 
 import json
 import re
 import shutil
+import time
+import uuid
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from rlfactory.errors import UserError
 
 CHECKPOINT_PREFIX = "checkpoint-"
 LOG_FILE = "trainer_log.jsonl"
 RUN_MARKERS = ("config.yaml", LOG_FILE)
+MARKER_FILE = "run.json"
+PROJECT_FILES = ("pyproject.toml", ".git")
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -42,8 +55,72 @@ def resolve_resume(output_dir: str, resume: str | None) -> Path | None:
     return path
 
 
+def project_roots(start: Path | None = None) -> list[Path]:
+    """The nearest folder at or above ``start`` (default: cwd) holding pyproject.toml or .git, and the
+    checkout rlfactory itself runs from (when it is one)."""
+    here = (start or Path.cwd()).resolve()
+    roots = [p for p in (here, *here.parents) if any((p / name).exists() for name in PROJECT_FILES)][:1]
+    own = Path(__file__).resolve().parents[3]
+    if (own / "pyproject.toml").is_file():
+        roots.append(own)
+    return roots
+
+
+def check_output_location(output_dir: str) -> Path:
+    """Refuse an empty output_dir, or one that is (or contains) the working directory, the home directory
+    or a project root: wiping or filling it would hit files that are not the run's. Returns it resolved."""
+    if not str(output_dir).strip():
+        raise UserError("output_dir is empty; give a folder for this run, e.g. output_dir: outputs/run")
+    target = Path(output_dir).expanduser().resolve()
+    protected = {"the working directory": Path.cwd().resolve(), "the home directory": Path.home().resolve()}
+    protected |= {f"the project root {root}": root for root in project_roots()}
+    for name, place in protected.items():
+        if place == target or target in place.parents:
+            where = "is" if place == target else "contains"
+            raise UserError(f"output_dir '{output_dir}' {where} {name}; choose a folder of its own, e.g. outputs/run")
+    return target
+
+
+def has_marker(folder: Path) -> bool:
+    """``folder`` holds a valid ``run.json`` written by rlfactory."""
+    try:
+        marker = json.loads((folder / MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and marker.get("tool") == "rlfactory" and bool(marker.get("run_id"))
+
+
+def is_our_run(folder: Path) -> bool:
+    """``folder`` holds our marker, or is a run written by an older rlfactory (see the module docstring)."""
+    if has_marker(folder):
+        return True
+    try:
+        config = yaml.safe_load((folder / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    has_progress = (folder / LOG_FILE).is_file() or any(folder.glob(f"{CHECKPOINT_PREFIX}*"))
+    return isinstance(config, dict) and "stage" in config and has_progress
+
+
+def _check_deletable(output_dir: str) -> None:
+    """Refuse to wipe anything but a run of ours or an empty folder (a symlink is never followed)."""
+    folder = Path(output_dir)
+    if folder.is_symlink():
+        raise UserError(
+            f"output_dir '{output_dir}' is a symbolic link; overwrite_output_dir does not follow links: "
+            "point output_dir at the real folder"
+        )
+    if folder.is_dir() and any(folder.iterdir()) and not is_our_run(folder):
+        raise UserError(
+            f"output_dir '{output_dir}' holds files that are not an rlfactory run (no {MARKER_FILE}); "
+            "overwrite_output_dir only deletes earlier runs: choose another output_dir or empty that folder yourself"
+        )
+
+
 def check_output_dir(output_dir: str, overwrite: bool, resume_from: Path | None) -> None:
-    """Refuse an output_dir that holds another run, unless overwriting or resuming. Writes nothing."""
+    """Refuse an output_dir that holds another run, unless overwriting or resuming, and an output_dir that
+    is not a folder of its own; overwriting is refused for a folder that is not a run. Writes nothing."""
+    check_output_location(output_dir)
     folder = Path(output_dir)
     if folder.exists() and not folder.is_dir():
         raise UserError(f"output_dir '{output_dir}' is a file; choose a directory")
@@ -55,15 +132,31 @@ def check_output_dir(output_dir: str, overwrite: bool, resume_from: Path | None)
             f"output_dir '{output_dir}' already holds a run; set overwrite_output_dir: true to replace it, "
             "resume_from_checkpoint: auto to continue it, or choose another output_dir"
         )
+    if overwrite and resume_from is None:
+        _check_deletable(output_dir)
 
 
 def prepare_output_dir(output_dir: str, overwrite: bool, resume_from: Path | None) -> Path:
-    """Create (or wipe, when overwriting and not resuming) the output dir. Call after all checks."""
+    """Create (or wipe, when overwriting and not resuming) the output dir and mark it as a run.
+    Call after all checks; the deletion rules are checked again here, right before deleting."""
     folder = Path(output_dir)
     if overwrite and resume_from is None and folder.exists():
+        check_output_location(output_dir)
+        _check_deletable(output_dir)
         shutil.rmtree(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    write_marker(folder)
     return folder
+
+
+def write_marker(folder: Path) -> None:
+    """``run.json``: marks ``folder`` as an rlfactory run (kept as it is when the run is resumed)."""
+    if has_marker(folder):
+        return
+    from rlfactory import __version__
+
+    marker = {"tool": "rlfactory", "run_id": uuid.uuid4().hex, "version": __version__, "created": time.time()}
+    (folder / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
 
 
 def rotate_checkpoints(output_dir: str | Path, keep: int | None) -> None:

@@ -13,8 +13,24 @@ layer is ``app`` plus one module per tab; Gradio is imported only there.
 from __future__ import annotations
 
 
-def launch(host: str = "127.0.0.1", port: int = 7860, share: bool = False, auth: str | None = None) -> None:
-    """Build the app and serve it (blocks until interrupted)."""
+def launch(
+    host: str = "127.0.0.1",
+    port: int = 7860,
+    share: bool = False,
+    auth: str | None = None,
+    auth_file: str | None = None,
+    insecure: bool = False,
+    workspace_dir: str | None = None,
+    allow_read: list[str] | None = None,
+) -> None:
+    """Check everything that can be checked before binding (workspace, credentials, exposure, port; a
+    UserError for each), then build the app and serve it (blocks until interrupted)."""
+    from rlfactory.webui import security, workspace
+
+    workspace.configure(workspace_dir, allow_read)
+    credentials = security.load_auth(auth, auth_file)
+    security.check_exposure(host, share, credentials, insecure)
+    security.check_port(host, port)
     from rlfactory.webui.app import serve
 
-    serve(host=host, port=port, share=share, auth=auth)
+    serve(host=host, port=port, share=share, credentials=credentials)

@@ -1,19 +1,15 @@
 """The Gradio app: four tabs (Train, Monitor, Chat, Export) and the server launch.
 
-Paths in the page (examples/, data/, outputs/) are relative to the directory the WebUI starts in,
-as for the CLI; start it from your project folder.
+Paths in the page (examples/, data/, outputs/) are relative to the workspace (the directory the WebUI
+starts in, or ``--workspace``), as for the CLI; the page reads and writes only inside it (``workspace``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
 from typing import Any
 
-from rlfactory.errors import UserError
-
-AUTH_ENV = "RLFACTORY_WEBUI_AUTH"
 CSS = """
 .rf-example { margin: 0 0 10px 0; border: 1px solid var(--border-color-primary); border-radius: 6px; }
 .rf-example-head { font-size: 12px; padding: 4px 8px; background: var(--background-fill-secondary); }
@@ -59,23 +55,20 @@ def build_app() -> Any:
     return app
 
 
-def parse_auth(auth: str | None) -> tuple[str, str] | None:
-    """``user:pass`` from --auth, else from RLFACTORY_WEBUI_AUTH; None when neither is set."""
-    text = auth if auth is not None else os.environ.get(AUTH_ENV)
-    if not text:
-        return None
-    user, sep, password = text.partition(":")
-    if not sep or not user or not password:
-        raise UserError(f"--auth / {AUTH_ENV} must look like user:password")
-    return user, password
+def serve(
+    host: str = "127.0.0.1",
+    port: int = 7860,
+    share: bool = False,
+    credentials: tuple[str, str] | None = None,
+) -> None:
+    """Build and serve the app until interrupted, from the configured workspace (``webui.launch`` checks
+    the arguments first); every request passes through ``security.Guard``."""
+    from starlette.middleware import Middleware
 
+    from rlfactory.webui import security, workspace
 
-def serve(host: str = "127.0.0.1", port: int = 7860, share: bool = False, auth: str | None = None) -> None:
-    """Build and serve the app until interrupted."""
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-    credentials = parse_auth(auth)
-    if host not in ("127.0.0.1", "localhost", "::1") and credentials is None:
-        print(f"warning: serving on {host} without --auth: anyone who can reach it can start runs", file=sys.stderr)
+    os.chdir(workspace.current().root)  # relative paths in the page (outputs/, examples/) mean the workspace
     logging.getLogger("httpx").setLevel(logging.WARNING)
     app = build_app()
     app.queue(default_concurrency_limit=4)
@@ -88,4 +81,5 @@ def serve(host: str = "127.0.0.1", port: int = 7860, share: bool = False, auth: 
         show_error=True,
         css=CSS,
         footer_links=["gradio"],
+        app_kwargs={"middleware": [Middleware(security.Guard)]},
     )

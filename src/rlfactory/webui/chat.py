@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from rlfactory.errors import UserError
+from rlfactory.webui import workspace
 
 # a call cut off by max_new_tokens has no closing tag: it runs to the end of the text
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -64,8 +65,11 @@ def resolve_source(path: str, base: str = "", template: str = "") -> ModelSource
     """A model dir, an adapter dir or a run's output dir -> base + adapters + template.
 
     For an adapter, the base is (in order) ``base`` if given, the run's config.yaml, or the adapter's
-    own ``base_model_name_or_path``; adapters the run itself started from are merged first.
+    own ``base_model_name_or_path``; adapters the run itself started from are merged first. Every local
+    path (given or read from the run) must be readable in the workspace.
     """
+    if path.strip():
+        workspace.current().readable(path.strip(), "model")
     folder = Path(path.strip()).expanduser()
     if not path.strip() or not folder.is_dir():
         raise UserError(f"'{path}' is not a directory: give a model dir, a LoRA adapter dir or a run's output dir")
@@ -80,6 +84,7 @@ def resolve_source(path: str, base: str = "", template: str = "") -> ModelSource
     if not base_path:
         raise UserError(f"'{path}' is a LoRA adapter without a known base model: fill in the base model")
     earlier = [] if base.strip() else list(run_model.get("adapter_paths") or [])
+    workspace.check_sources(str(base_path), earlier, None)
     has_tokenizer = (folder / "tokenizer_config.json").is_file()
     return ModelSource(
         str(base_path), [*earlier, str(folder)], chosen_template, str(folder if has_tokenizer else base_path)
@@ -168,12 +173,12 @@ def export_merged(path: str, base: str, out_dir: str, template: str = "", overwr
     """Merge the adapter(s) of ``path`` into the base model and save a plain HF model dir to ``out_dir``."""
     from rlfactory.model.loader import save_model
 
+    if not out_dir.strip():
+        raise UserError("choose an export folder")
+    target = workspace.current().writable(out_dir.strip(), "export folder")
     source = resolve_source(path, base, template)
     if not source.adapters:
         raise UserError(f"'{path}' is already a full model (no adapter_config.json): nothing to merge")
-    target = Path(out_dir.strip()).expanduser()
-    if not out_dir.strip():
-        raise UserError("choose an export folder")
     if target.exists() and any(target.iterdir()) and not overwrite:
         raise UserError(f"export folder '{out_dir}' is not empty; tick overwrite or choose another folder")
     model, tokenizer = _load(source)

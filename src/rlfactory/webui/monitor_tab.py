@@ -8,7 +8,9 @@ from typing import Any
 import gradio as gr
 import pandas as pd
 
-from rlfactory.webui import monitor, runner
+from rlfactory.errors import UserError
+from rlfactory.webui import monitor, workspace
+from rlfactory.webui.train_tab import error_md, stop_message
 
 TICK_S = 1.0
 CHARTS_PER_ROW = 3
@@ -61,6 +63,10 @@ class MonitorTab:
         """Everything the tab shows, or gr.skip() for all when nothing changed on disk since ``seen``."""
         if not run:
             return [gr.skip()] * len(self.outputs())
+        try:
+            workspace.current().readable(run, "run")
+        except UserError as exc:
+            return [error_md(exc), *[gr.skip()] * (len(self.outputs()) - 2), None]
         current = monitor.fingerprint(run)
         if current == seen:
             return [gr.skip()] * len(self.outputs())
@@ -85,7 +91,7 @@ class MonitorTab:
         return [status, _progress_html(fraction, line), *plots, monitor.log_text(run), rollouts, runs, current]
 
     def on_stop(self, run: str | None) -> str:
-        return "■ " + runner.stop(run) if run else "pick a run first"
+        return stop_message(run) if run else "pick a run first"
 
     def on_refresh(self) -> tuple[Any, pd.DataFrame]:
         return gr.Dropdown(choices=[row["run"] for row in monitor.list_runs()]), _runs_table()

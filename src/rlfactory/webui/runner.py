@@ -13,6 +13,11 @@ file it is writing to; the child then gets ``overwrite_output_dir=false`` on its
 One run at a time per output dir: a second Start on a busy dir is refused. Stop terminates the whole
 process tree (SIGTERM, then SIGKILL after a grace period); checkpoints already written stay, so a
 later run with ``resume_from_checkpoint: auto`` continues from the last one.
+
+Every path is checked against the workspace (``webui.workspace``) first. The state file is never trusted
+on its own: it records the run's pid with the process's start time, command line and workspace, and Stop
+(or "busy") signals a process only when all of them match the live process and the command is this very
+run's ``rlfactory train <output_dir>/webui_run.yaml``; a state file naming any other process is refused.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import Any
 
 from rlfactory.config.schema import RunConfig
 from rlfactory.errors import UserError
+from rlfactory.webui import workspace
 
 YAML_NAME = "webui_run.yaml"
 LOG_NAME = "webui_run.log"
@@ -56,6 +62,7 @@ def validate(raw: dict[str, Any], source: str = "WebUI form") -> RunConfig:
     config = validate_config(raw, source)
     if not isinstance(config, RunConfig):
         raise UserError("the WebUI runs one stage at a time; run pipeline YAMLs with `rlfactory train`")
+    workspace.check_run_paths(config)  # before check_config reads the model and the data
     check_config(config)
     return config
 
@@ -76,7 +83,7 @@ def _write_state(output_dir: Path, **update: Any) -> None:
 def _alive(pid: int | None) -> bool:
     import psutil
 
-    if not pid or not psutil.pid_exists(pid):
+    if not isinstance(pid, int) or pid <= 0:  # the state file may hold anything
         return False
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -84,13 +91,42 @@ def _alive(pid: int | None) -> bool:
         return False
 
 
+def _command(out: Path) -> list[str]:
+    """The command line of the run in ``out`` (a resolved output dir)."""
+    return [sys.executable, "-m", "rlfactory", "train", str(out / YAML_NAME), "overwrite_output_dir=false"]
+
+
+def _run_process(key: Path, state: dict[str, Any]) -> Any:
+    """The live process the state file names, only when it is verifiably this run: same start time and
+    command line as recorded at launch, the command is this output dir's ``rlfactory train``, it leads its
+    own process group, and it was started in this workspace. Else None (a psutil.Process otherwise)."""
+    import psutil
+
+    pid = state.get("pid")
+    if state.get("status") != "running" or not isinstance(pid, int) or pid <= 0:
+        return None
+    try:
+        proc = psutil.Process(pid)
+        cmdline = proc.cmdline()
+        same = (
+            abs(proc.create_time() - float(state.get("create_time"))) < 0.05
+            and cmdline == state.get("command")
+            and cmdline[1:] == _command(key)[1:]  # a WebUI of another venv may have started it
+            and os.getpgid(pid) == pid
+            and state.get("workspace") == str(workspace.current().root)
+            and proc.status() != psutil.STATUS_ZOMBIE
+        )
+    except (psutil.Error, OSError, TypeError, ValueError):
+        return None
+    return proc if same else None
+
+
 def _busy(key: Path) -> bool:
     """Call with _LOCK held. ``key`` is a resolved output dir."""
     active = _ACTIVE.get(key)
     if active is not None:
         return active.process.poll() is None
-    state = read_state(key)
-    return state.get("status") == "running" and _alive(state.get("pid"))
+    return _run_process(key, read_state(key)) is not None
 
 
 def is_busy(output_dir: str | Path) -> bool:
@@ -104,8 +140,7 @@ def start(raw: dict[str, Any], yaml_text: str) -> RunConfig:
     from rlfactory.engine import run_dir
 
     config = validate(raw)
-    out = Path(config.output_dir)
-    key = out.resolve()
+    key = Path(config.output_dir).resolve()
     with _LOCK:
         if _busy(key):
             raise UserError(
@@ -115,23 +150,37 @@ def start(raw: dict[str, Any], yaml_text: str) -> RunConfig:
         resume_from = run_dir.resolve_resume(config.output_dir, config.resume_from_checkpoint)
         run_dir.check_output_dir(config.output_dir, config.overwrite_output_dir, resume_from)
         run_dir.prepare_output_dir(config.output_dir, config.overwrite_output_dir, resume_from)
-        _ACTIVE[key] = _launch(out, yaml_text)
+        _ACTIVE[key] = _launch(key, yaml_text)
     return config
 
 
 def _launch(out: Path, yaml_text: str) -> _Active:
+    """Start the run in ``out`` (resolved) and record what identifies its process."""
+    import psutil
+
     (out / YAML_NAME).write_text(yaml_text)
-    command = [sys.executable, "-m", "rlfactory", "train", str(out / YAML_NAME), "overwrite_output_dir=false"]
+    command = _command(out)
+    root = workspace.current().root
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(out / LOG_NAME, "w") as log:
         log.write(f"$ {' '.join(command)}\n")
         log.flush()
         process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+            command,
+            cwd=root,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
         )
-    (out / STATE_NAME).write_text(
-        json.dumps({"status": "running", "pid": process.pid, "started": time.time(), "command": command}, indent=2)
-    )
+    try:  # Popen returns after the exec, so this is the run's own start time and command line
+        created = psutil.Process(process.pid).create_time()
+    except psutil.Error:  # already gone: the watcher records how it ended
+        created = None
+    state = {"status": "running", "pid": process.pid, "create_time": created, "command": command}
+    state |= {"workspace": str(root), "started": time.time()}
+    (out / STATE_NAME).write_text(json.dumps(state, indent=2))
     active = _Active(process, out)
     threading.Thread(target=_watch, args=(active,), daemon=True, name=f"webui-run-{process.pid}").start()
     return active
@@ -178,16 +227,24 @@ def kill_tree(pid: int, grace_s: float = STOP_GRACE_S) -> None:
 
 
 def stop(output_dir: str | Path) -> str:
-    """Stop the run in ``output_dir``; returns a message for the page."""
-    key = Path(output_dir).resolve()
+    """Stop the run in ``output_dir``; returns a message for the page. Raises UserError when the folder is
+    outside the workspace or its state file names a process this WebUI cannot verify as the run."""
+    key = workspace.current().writable(output_dir, "run")
     with _LOCK:
         active = _ACTIVE.get(key)
-    pid = active.process.pid if active else read_state(key).get("pid")
-    if not is_busy(key) or pid is None:
+        state = read_state(key)
+        proc = None if active else _run_process(key, state)
+    if active is None and proc is None and state.get("status") == "running" and _alive(state.get("pid")):
+        raise UserError(
+            f"refused to stop process {state.get('pid')}: {output_dir}/{STATE_NAME} names a process that is not "
+            "a run this WebUI started in this workspace (its start time or command line differ)"
+        )
+    pid = active.process.pid if active else (proc.pid if proc else None)
+    if pid is None or not is_busy(key):
         return f"no run is going on in '{output_dir}'"
     if active is not None:
         active.stopping = True
-    kill_tree(int(pid))
+    kill_tree(pid)
     if active is not None:
         active.process.wait()
     else:  # started by an earlier WebUI process: nobody watches it, record the end here

@@ -9,13 +9,14 @@ from typing import Any
 import gradio as gr
 
 from rlfactory.errors import UserError
-from rlfactory.webui import preview, runner
+from rlfactory.webui import preview, runner, workspace
 from rlfactory.webui import schema_form as sf
 
 # Shown first, above the sections, in this order (they still come from the schema).
 ESSENTIALS = ("stage", "model.name_or_path", "model.template", "data.dataset")
 EXAMPLES_DIR = "examples"
 FIELDS_PER_ROW = 3
+YAML_SUFFIXES = (".yaml", ".yml")
 
 
 def error_md(exc: Exception) -> str:
@@ -57,6 +58,32 @@ def make_widget(spec: sf.FieldSpec) -> Any:
 
 def example_yamls() -> list[str]:
     return sorted(str(p) for p in Path(EXAMPLES_DIR).rglob("*.yaml"))
+
+
+def stop_message(output_dir: str) -> str:
+    """Stop the run in ``output_dir``: what happened, or why it was refused, for the page."""
+    try:
+        return "■ " + runner.stop(output_dir)
+    except UserError as exc:
+        return error_md(exc)
+
+
+def save_target(path: str) -> Path:
+    """Where Save YAML may write: a .yaml/.yml file inside the workspace, replacing at most an earlier run
+    YAML (a mapping with a ``stage`` key), never another file. Raises UserError."""
+    import yaml
+
+    target = workspace.current().writable(path, "save to")
+    if target.suffix not in YAML_SUFFIXES:
+        raise UserError(f"save to '{path}': give a file name ending in .yaml")
+    if target.exists():
+        try:
+            earlier = yaml.safe_load(target.read_text()) if target.is_file() else None
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            earlier = None
+        if not (isinstance(earlier, dict) and "stage" in earlier):
+            raise UserError(f"save to '{path}': that file exists and is not a run YAML; refused to replace it")
+    return target
 
 
 class TrainTab:
@@ -152,18 +179,19 @@ class TrainTab:
     def on_save(self, path: str, *values: Any) -> str:
         try:
             text = sf.raw_to_yaml(self.raw(values))
+            shown = path.strip() or "outputs/webui/run.yaml"
+            target = save_target(shown)
         except UserError as exc:
             return error_md(exc)
-        target = Path(path.strip() or "outputs/webui/run.yaml")
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text)
-        return f"✓ saved `{target}` (run it with `rlfactory train {target}`)"
+        return f"✓ saved `{shown}` (run it with `rlfactory train {shown}`)"
 
     def on_load(self, path: str) -> list[Any]:
         from rlfactory.config.loader import read_yaml
 
         try:
-            raw = read_yaml(path or "")
+            raw = read_yaml(workspace.current().readable(path or "", "YAML to load"))
             if "stages" in raw:
                 raise UserError(f"{path} is a pipeline (`stages:`); run pipelines with `rlfactory train {path}`")
         except UserError as exc:
@@ -174,7 +202,12 @@ class TrainTab:
 
     def on_preview_page(self, page: float, delta: int, *values: Any) -> tuple[str, int]:
         try:
-            body, shown = preview.preview_page(self.raw(values), int(page or 0) + delta)
+            raw = self.raw(values)
+            model, data = raw.get("model") or {}, raw.get("data") or {}
+            adapters = model.get("adapter_paths") or []
+            adapters = adapters if isinstance(adapters, list) else [adapters]
+            workspace.check_sources(model.get("name_or_path"), adapters, data.get("dataset_dir"))
+            body, shown = preview.preview_page(raw, int(page or 0) + delta)
         except UserError as exc:
             return f'<pre class="rf-error">{exc}</pre>', int(page or 0)
         return body, shown
@@ -190,7 +223,7 @@ class TrainTab:
         return message, text, gr.Tabs(selected="monitor"), config.output_dir
 
     def on_stop(self, output_dir: str) -> str:
-        return "■ " + runner.stop(output_dir or "outputs/run")
+        return stop_message(output_dir or "outputs/run")
 
     def wire(self, tabs: Any, monitor_run: Any) -> None:
         inputs = self.inputs
