@@ -27,8 +27,9 @@ from rlfactory.algos.preference import PREFERENCE_LOSSES
 from rlfactory.config.schema import KTOConfig, RunConfig
 from rlfactory.engine.trainer import Batch, StageParts, train
 from rlfactory.errors import UserError
-from rlfactory.stages import common, preference_data, reference
-from rlfactory.stages.preference_data import fit_prompt, forward_logps, pad_rows, warn_truncation
+from rlfactory.model.reference import ReferencePolicy, build_reference
+from rlfactory.stages import common, preference_data
+from rlfactory.stages.preference_data import fit_prompt, forward_logps, pad_rows, reference_logps, warn_truncation
 
 log = logging.getLogger(__name__)
 MARGINS = "eval reward margin (desirable - undesirable; 0 at step 0)"
@@ -141,7 +142,7 @@ def kto_metrics(rewards: torch.Tensor, logps: torch.Tensor, desirable: torch.Ten
     return metrics
 
 
-def make_loss(section: KTOConfig, ref: reference.RefFn) -> Callable[[Any, Batch], tuple[torch.Tensor, dict]]:
+def make_loss(section: KTOConfig, ref: ReferencePolicy) -> Callable[[Any, Batch], tuple[torch.Tensor, dict]]:
     kto = PREFERENCE_LOSSES.get("kto")
 
     def kto_loss(model: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -150,10 +151,10 @@ def make_loss(section: KTOConfig, ref: reference.RefFn) -> Callable[[Any, Batch]
         policy = forward_logps(model, batch)[0]
         losses, rewards, kl = kto(
             policy,
-            ref(batch, "")[0],
+            reference_logps(ref, batch)[0],
             batch["desirable"],
             policy_kl,
-            ref(batch, "kl_")[0],
+            reference_logps(ref, batch, "kl_")[0],
             beta=section.beta,
             desirable_weight=section.desirable_weight,
             undesirable_weight=section.undesirable_weight,
@@ -188,7 +189,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     eval_prompts = common.load_eval_prompts(cfg)
 
     model = load_model(cfg.model, cfg.lora, cfg.freeze, torch_compile=cfg.train.torch_compile)
-    ref = reference.build_reference(cfg, model)
+    ref = build_reference(cfg, model)
     common.start_output_dir(cfg, resume_from)
     before = preference_data.generation_before(cfg, model, tokenizer, eval_prompts, resume_from is not None)
 

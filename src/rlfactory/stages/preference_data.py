@@ -22,6 +22,7 @@ from rlfactory.algos.common import masked_sum, token_logprobs
 from rlfactory.config.schema import RunConfig
 from rlfactory.engine.trainer import Batch
 from rlfactory.errors import UserError
+from rlfactory.model.reference import ReferencePolicy
 from rlfactory.render.chat import render_continuation
 from rlfactory.stages import common
 
@@ -170,6 +171,12 @@ def forward_logps(model: Any, batch: Batch, prefix: str = "") -> tuple[torch.Ten
     mask[:, :-1] = batch[f"{prefix}loss_mask"][:, 1:]  # position t predicts token t+1
     sums = next_token_logps(model, inputs, mask).sum(-1)
     return sums, sums / mask.sum(-1).clamp(min=1)
+
+
+def reference_logps(ref: ReferencePolicy, batch: Batch, prefix: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """``forward_logps`` of the rows ``{prefix}input_ids`` on the reference's weights, without gradient."""
+    with ref.weights(batch[f"{prefix}input_ids"].device) as model:
+        return forward_logps(model, batch, prefix)
 
 
 def run_device() -> torch.device:
