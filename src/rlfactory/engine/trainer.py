@@ -239,9 +239,6 @@ def _setup(cfg: RunConfig, model: Any, parts: StageParts) -> _Setup:
     steps_per_epoch = _steps_per_epoch(per_process_batches, cfg.train.grad_accum_steps, len(parts.train_examples), cfg)
     total_steps = cfg.train.max_steps or max(1, math.ceil(steps_per_epoch * cfg.train.num_epochs))
     if cfg.train.torch_compile:
-        from rlfactory.algos import common
-
-        common.COMPILE_HEAD = True  # sft's chunked LM-head loss: one fused kernel per chunk
         log.info("torch.compile: %d decoder layers", compile_layers(model))
     optimizer = _optimizer(model, cfg)
     scheduler = get_scheduler(

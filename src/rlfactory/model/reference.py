@@ -14,7 +14,8 @@ API::
     with ref.weights(device) as model:                 # under torch.no_grad()
         logps = forward(model, batch)                  # any forward that takes the policy takes ``model``
 
-``weights`` yields a module to run in place of the policy: call it with the same forward as the policy. ``policy`` must be the unwrapped model (PEFT, not DDP or Accelerate's
+``weights`` yields a module to run in place of the policy: call it with the same forward (and the same
+``HeadKernels``) as the policy. ``policy`` must be the unwrapped model (PEFT, not DDP or Accelerate's
 wrapper): the adapter switch is on the PEFT model. The RL stages' former ``online_setup.Reference.logprobs``
 is ``with ref.weights(batch["input_ids"].device) as model: forward(model, batch, rows)``.
 """

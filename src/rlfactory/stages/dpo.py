@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from rlfactory.algos.common import HeadKernels
 from rlfactory.algos.preference import PREFERENCE_LOSSES, preference_metrics
 from rlfactory.config.schema import DPOConfig, RunConfig
 from rlfactory.engine.trainer import Batch, StageParts, train
@@ -54,24 +55,32 @@ def count_pairs(batch: Batch) -> float:
     return float(batch["input_ids"].shape[0] // 2)
 
 
-def reference_logps(batch: Batch, ref: ReferencePolicy | None, length_normalised: bool) -> torch.Tensor | None:
+def reference_logps(
+    batch: Batch, ref: ReferencePolicy | None, length_normalised: bool, kernels: HeadKernels = HeadKernels()
+) -> torch.Tensor | None:
     """(2B,) reference log-probs: precomputed in the batch, computed now, or None (reference-free loss)."""
     if "ref_logps" in batch:
         return batch["ref_logps"]
     if ref is None:
         return None
-    sums, means = preference_data.reference_logps(ref, batch)
+    sums, means = preference_data.reference_logps(ref, batch, "", kernels)
     return means if length_normalised else sums
 
 
-def make_loss(section: DPOConfig, loss: Callable[..., Any], traits: dict, ref: ReferencePolicy | None) -> Callable:
-    """loss_fn(model, batch) -> (summed per-pair loss, metrics under TRL's names)."""
+def make_loss(
+    section: DPOConfig,
+    loss: Callable[..., Any],
+    traits: dict,
+    ref: ReferencePolicy | None,
+    kernels: HeadKernels = HeadKernels(),
+) -> Callable:
+    """loss_fn(model, batch) -> (summed per-pair loss, metrics under TRL's names); ``kernels``: the run's LM head."""
     length_normalised = traits["length_normalised"]
 
-    def dpo_loss(model: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-        sums, means = forward_logps(model, batch)
+    def dpo_loss(model: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        sums, means = forward_logps(model, batch, "", kernels)
         policy_chosen, policy_rejected = (means if length_normalised else sums).chunk(2)
-        ref_logps = reference_logps(batch, ref, length_normalised)
+        ref_logps = reference_logps(batch, ref, length_normalised, kernels)
         ref_chosen, ref_rejected = ref_logps.chunk(2) if ref_logps is not None else (None, None)
         losses, chosen_rewards, rejected_rewards = loss(
             policy_chosen,
@@ -102,6 +111,7 @@ def precompute_pairs(
     collate: Callable[[list[dict]], Batch],
     batch_size: int,
     length_normalised: bool,
+    kernels: HeadKernels = HeadKernels(),
 ) -> None:
     """``dpo.precompute_ref_logps``: store ``ref_chosen_logps`` / ``ref_rejected_logps`` (summed, or averaged
     when ``length_normalised``) in every pair item, in one pass before training.
@@ -120,7 +130,7 @@ def precompute_pairs(
             for start in range(0, len(items), batch_size):
                 chunk = items[start : start + batch_size]
                 batch = {k: v.to(device) for k, v in collate(chunk).items()}
-                _store_ref_logps(chunk, forward_logps(model, batch), length_normalised)
+                _store_ref_logps(chunk, forward_logps(model, batch, "", kernels), length_normalised)
         model.train(was_training)
     if ref_path:
         del copy, model
@@ -138,7 +148,7 @@ def _store_ref_logps(chunk: list[dict], logps: tuple[torch.Tensor, torch.Tensor]
 
 
 def setup_reference(
-    cfg: RunConfig, model: Any, traits: dict, item_sets: list[list[dict]], pad_id: int
+    cfg: RunConfig, model: Any, traits: dict, item_sets: list[list[dict]], pad_id: int, kernels: HeadKernels
 ) -> ReferencePolicy | None:
     """The reference (``model.reference``); None when reference-free or precomputed."""
     section = cfg.dpo
@@ -156,13 +166,14 @@ def setup_reference(
             collate=collate_pairs(pad_id),
             batch_size=cfg.train.per_device_batch_size,
             length_normalised=traits["length_normalised"],
+            kernels=kernels,
         )
         return None
     return reference.build_reference(cfg, model, section.ref_model)
 
 
 def run(cfg: RunConfig) -> dict[str, Any]:
-    from rlfactory.model.loader import load_model, load_tokenizer
+    from rlfactory.model.loader import head_kernels, load_model, load_tokenizer
 
     assert cfg.dpo is not None
     loss, traits = check_loss_type(cfg.dpo.loss_type)
@@ -176,7 +187,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
     model = load_model(cfg.model, cfg.lora, cfg.freeze, torch_compile=cfg.train.torch_compile)
     item_sets = [train_items] + ([eval_items] if eval_items else [])
-    ref = setup_reference(cfg, model, traits, item_sets, tokenizer.pad_token_id)
+    kernels = head_kernels(cfg.model, cfg.train)
+    ref = setup_reference(cfg, model, traits, item_sets, tokenizer.pad_token_id, kernels)
     common.start_output_dir(cfg, resume_from)
     before = preference_data.generation_before(cfg, model, tokenizer, eval_prompts, resume_from is not None)
 
@@ -184,7 +196,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         train_examples=train_items,
         eval_examples=eval_items,
         collate=collate_pairs(tokenizer.pad_token_id),
-        loss_fn=make_loss(cfg.dpo, loss, traits, ref),
+        loss_fn=make_loss(cfg.dpo, loss, traits, ref, kernels),
         count_fn=count_pairs,
     )
     result = train(cfg, model, tokenizer, parts, resume_from)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from rlfactory.algos.common import HeadKernels
 from rlfactory.algos.preference import PREFERENCE_LOSSES
 from rlfactory.config.schema import KTOConfig, RunConfig
 from rlfactory.engine.trainer import Batch, StageParts, train
@@ -142,19 +143,22 @@ def kto_metrics(rewards: torch.Tensor, logps: torch.Tensor, desirable: torch.Ten
     return metrics
 
 
-def make_loss(section: KTOConfig, ref: ReferencePolicy) -> Callable[[Any, Batch], tuple[torch.Tensor, dict]]:
+def make_loss(
+    section: KTOConfig, ref: ReferencePolicy, kernels: HeadKernels = HeadKernels()
+) -> Callable[[Any, Batch], tuple[torch.Tensor, dict]]:
+    """loss_fn(model, batch) -> (summed per-example loss, TRL's KTO metrics); ``kernels``: the run's LM head."""
     kto = PREFERENCE_LOSSES.get("kto")
 
     def kto_loss(model: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         with torch.no_grad():  # the reference point is detached: no graph for the mismatched rows
-            policy_kl = forward_logps(model, batch, "kl_")[0]
-        policy = forward_logps(model, batch)[0]
+            policy_kl = forward_logps(model, batch, "kl_", kernels)[0]
+        policy = forward_logps(model, batch, "", kernels)[0]
         losses, rewards, kl = kto(
             policy,
-            reference_logps(ref, batch)[0],
+            reference_logps(ref, batch, "", kernels)[0],
             batch["desirable"],
             policy_kl,
-            reference_logps(ref, batch, "kl_")[0],
+            reference_logps(ref, batch, "kl_", kernels)[0],
             beta=section.beta,
             desirable_weight=section.desirable_weight,
             undesirable_weight=section.undesirable_weight,
@@ -169,7 +173,7 @@ def count_examples(batch: Batch) -> float:
 
 
 def run(cfg: RunConfig) -> dict[str, Any]:
-    from rlfactory.model.loader import load_model, load_tokenizer
+    from rlfactory.model.loader import head_kernels, load_model, load_tokenizer
 
     assert cfg.kto is not None
     if cfg.train.per_device_batch_size < 2:
@@ -197,7 +201,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         train_examples=train_items,
         eval_examples=eval_items,
         collate=collate_unpaired(tokenizer.pad_token_id, cfg.data.cutoff_len),
-        loss_fn=make_loss(cfg.kto, ref),
+        loss_fn=make_loss(cfg.kto, ref, head_kernels(cfg.model, cfg.train)),
         count_fn=count_examples,
     )
     result = train(cfg, model, tokenizer, parts, resume_from)

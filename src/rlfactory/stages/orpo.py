@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from rlfactory.algos.common import HeadKernels
 from rlfactory.algos.preference import PREFERENCE_LOSSES, preference_metrics
 from rlfactory.config.schema import ORPOConfig, RunConfig
 from rlfactory.engine.trainer import Batch, StageParts, train
@@ -25,12 +26,14 @@ from rlfactory.stages.dpo import count_pairs
 from rlfactory.stages.preference_data import PAIR_ACCURACY, collate_pairs, forward_logps
 
 
-def make_loss(section: ORPOConfig) -> Callable[[Any, Batch], tuple[torch.Tensor, dict[str, float]]]:
-    """loss_fn(model, batch) -> (summed per-pair loss, TRL's ORPO metrics)."""
+def make_loss(
+    section: ORPOConfig, kernels: HeadKernels = HeadKernels()
+) -> Callable[[Any, Batch], tuple[torch.Tensor, dict[str, float]]]:
+    """loss_fn(model, batch) -> (summed per-pair loss, TRL's ORPO metrics); ``kernels``: the run's LM head."""
     odds_ratio = PREFERENCE_LOSSES.get("orpo")
 
     def orpo_loss(model: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-        sums, means = forward_logps(model, batch)
+        sums, means = forward_logps(model, batch, "", kernels)
         chosen, rejected = means.chunk(2)
         or_losses, chosen_rewards, rejected_rewards, log_odds_ratio, log_odds = odds_ratio(
             chosen, rejected, beta=section.beta
@@ -49,7 +52,7 @@ def make_loss(section: ORPOConfig) -> Callable[[Any, Batch], tuple[torch.Tensor,
 
 
 def run(cfg: RunConfig) -> dict[str, Any]:
-    from rlfactory.model.loader import load_model, load_tokenizer
+    from rlfactory.model.loader import head_kernels, load_model, load_tokenizer
 
     assert cfg.orpo is not None
     resume_from = common.preflight(cfg)
@@ -68,7 +71,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         train_examples=train_items,
         eval_examples=eval_items,
         collate=collate_pairs(tokenizer.pad_token_id),
-        loss_fn=make_loss(cfg.orpo),
+        loss_fn=make_loss(cfg.orpo, head_kernels(cfg.model, cfg.train)),
         count_fn=count_pairs,
     )
     result = train(cfg, model, tokenizer, parts, resume_from)
