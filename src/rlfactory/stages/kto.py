@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from rlfactory.algos.common import HeadKernels
+from rlfactory.algos.common import HeadKernels, masked_mean
 from rlfactory.algos.preference import PREFERENCE_LOSSES
 from rlfactory.config.schema import KTOConfig, RunConfig
 from rlfactory.engine.trainer import Batch, StageParts, train
@@ -126,19 +126,33 @@ def collate_unpaired(pad_id: int, cutoff_len: int) -> Callable[[list[dict]], Bat
             kl_rows.append((prompt, other["ids"], other["mask"]))
         batch.update({f"kl_{k}": v for k, v in pad_rows(kl_rows, pad_id).items()})
         batch["desirable"] = torch.tensor([it["label"] for it in items], dtype=torch.bool)
+        # (any desirable, any undesirable) as host booleans: the loss picks its logged class means without a sync
+        batch["labels_present"] = (any(it["label"] for it in items), not all(it["label"] for it in items))
         return batch
 
     return collate
 
 
-def kto_metrics(rewards: torch.Tensor, logps: torch.Tensor, desirable: torch.Tensor, kl: torch.Tensor) -> dict:
-    """TRL's KTO names: kl, rewards/chosen|rejected|margins, logps/chosen|rejected (class means of the batch)."""
-    metrics = {"kl": float(kl)}
-    for name, rows in (("chosen", desirable), ("rejected", ~desirable)):
-        if rows.any():
-            metrics[f"rewards/{name}"] = rewards[rows].mean().item()
-            metrics[f"logps/{name}"] = logps.detach()[rows].mean().item()
-    if "rewards/chosen" in metrics and "rewards/rejected" in metrics:
+def kto_metrics(
+    rewards: torch.Tensor,
+    logps: torch.Tensor,
+    desirable: torch.Tensor,
+    kl: torch.Tensor,
+    present: tuple[bool, bool],
+) -> dict[str, torch.Tensor]:
+    """TRL's KTO names: kl, rewards/chosen|rejected|margins, logps/chosen|rejected (class means of the batch),
+    as 0-d device tensors (the engine reads them at log time, no sync in the step).
+
+    ``present``: whether the batch has (desirable, undesirable) rows, known on the host from the collate. A
+    class absent from the batch logs no mean (nor a margin), so the engine averages each over the batches that
+    have it; deciding that from ``desirable`` itself would wait for the device.
+    """
+    metrics = {"kl": kl.detach()}
+    for name, rows, has_rows in (("chosen", desirable, present[0]), ("rejected", ~desirable, present[1])):
+        if has_rows:
+            metrics[f"rewards/{name}"] = masked_mean(rewards.detach(), rows)
+            metrics[f"logps/{name}"] = masked_mean(logps.detach(), rows)
+    if all(present):
         metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
     return metrics
 
@@ -149,7 +163,7 @@ def make_loss(
     """loss_fn(model, batch) -> (summed per-example loss, TRL's KTO metrics); ``kernels``: the run's LM head."""
     kto = PREFERENCE_LOSSES.get("kto")
 
-    def kto_loss(model: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    def kto_loss(model: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         with torch.no_grad():  # the reference point is detached: no graph for the mismatched rows
             policy_kl = forward_logps(model, batch, "kl_", kernels)[0]
         policy = forward_logps(model, batch, "", kernels)[0]
@@ -163,7 +177,7 @@ def make_loss(
             desirable_weight=section.desirable_weight,
             undesirable_weight=section.undesirable_weight,
         )
-        return losses.sum(), kto_metrics(rewards, policy, batch["desirable"], kl)
+        return losses.sum(), kto_metrics(rewards, policy, batch["desirable"], kl, batch["labels_present"])
 
     return kto_loss
 

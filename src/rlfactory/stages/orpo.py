@@ -28,11 +28,12 @@ from rlfactory.stages.preference_data import PAIR_ACCURACY, collate_pairs, forwa
 
 def make_loss(
     section: ORPOConfig, kernels: HeadKernels = HeadKernels()
-) -> Callable[[Any, Batch], tuple[torch.Tensor, dict[str, float]]]:
-    """loss_fn(model, batch) -> (summed per-pair loss, TRL's ORPO metrics); ``kernels``: the run's LM head."""
+) -> Callable[[Any, Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """loss_fn(model, batch) -> (summed per-pair loss, TRL's ORPO metrics as 0-d device tensors: the engine
+    reads them at log time); ``kernels``: the run's LM head."""
     odds_ratio = PREFERENCE_LOSSES.get("orpo")
 
-    def orpo_loss(model: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    def orpo_loss(model: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         sums, means = forward_logps(model, batch, "", kernels)
         chosen, rejected = means.chunk(2)
         or_losses, chosen_rewards, rejected_rewards, log_odds_ratio, log_odds = odds_ratio(
@@ -41,9 +42,9 @@ def make_loss(
         nll = -chosen
         metrics = preference_metrics(chosen_rewards, rejected_rewards, chosen, rejected)
         metrics.update(
-            nll_loss=nll.detach().mean().item(),
-            log_odds_ratio=log_odds_ratio.mean().item(),
-            log_odds_chosen=log_odds.mean().item(),
+            nll_loss=nll.detach().mean(),
+            log_odds_ratio=log_odds_ratio.detach().mean(),
+            log_odds_chosen=log_odds.detach().mean(),
         )
         metrics["logps/accuracies"] = preference_data.logp_accuracy(*sums.chunk(2))
         return (nll + or_losses).sum(), metrics
