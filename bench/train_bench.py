@@ -110,12 +110,31 @@ def random_pairs(sequences: list[list[int]]) -> list[dict[str, list[int]]]:
     ]
 
 
+def _ours_kernels(args):
+    """The run's LM-head kernels as the stages decide them (``model.loader.head_kernels``), with the levers
+    under test: ``ours_torchlp`` (the torch loop instead of Liger's kernel), ``-c8192`` (rows per chunk)."""
+    import dataclasses
+
+    from rlfactory.config.schema import ModelConfig, TrainConfig
+    from rlfactory.model.loader import head_kernels
+
+    compiled = args.impl.startswith("ours_compile")
+    kernels = head_kernels(ModelConfig(name_or_path="bench"), TrainConfig(torch_compile=compiled))
+    if args.impl == "ours_torchlp":
+        kernels = dataclasses.replace(kernels, logprobs="torch")
+    for variant in args.impl.split("-")[1:]:  # levers under test: ours_compile-c8192-cudagraphs
+        if variant.startswith("c") and variant[1:].isdigit():
+            kernels = dataclasses.replace(kernels, chunk_rows=int(variant[1:]))  # rows per LM-head chunk in sft
+    return kernels
+
+
 def _ours_parts(args, model, tokenizer, sequences):
     """(model, StageParts) as the stage modules build them."""
     from rlfactory.config.schema import DPOConfig, LoraConfig, RMConfig
     from rlfactory.engine.offline import StageParts
     from rlfactory.model.loader import apply_lora, maybe_apply_liger
-    from rlfactory.stages import dpo, preference_data, reference, rm, sft
+    from rlfactory.model.reference import build_reference
+    from rlfactory.stages import dpo, preference_data, rm, sft
 
     lora = LoraConfig(r=16, alpha=32, dropout=0.0, target_modules="all-linear")
     if args.case.startswith("rm"):
@@ -146,17 +165,19 @@ def _ours_parts(args, model, tokenizer, sequences):
     if args.case.endswith("lora"):
         torch_seed()
         model = apply_lora(model, lora, False)
+    kernels = _ours_kernels(args)
     if args.case.startswith("dpo"):
         items = [
             {**p, "chosen_mask": [True] * len(p["chosen_ids"]), "rejected_mask": [True] * len(p["rejected_ids"])}
             for p in random_pairs(sequences)
         ]
         loss, traits = dpo.check_loss_type("sigmoid")
-        ref = reference.build_reference(None, model)  # LoRA: the adapter-disabled policy, no copy
-        loss_fn = dpo.make_loss(DPOConfig(), loss, traits, ref)
+        ref = build_reference(None, model)  # LoRA: the adapter-disabled policy, no copy
+        loss_fn = dpo.make_loss(DPOConfig(), loss, traits, ref, kernels)
         return model, StageParts(items, preference_data.collate_pairs(0), loss_fn, dpo.count_pairs)
     items = [{"input_ids": s, "labels": s} for s in sequences]
-    return model, StageParts(items, sft.collate_padded(0), sft.nll_sum, sft.count_tokens)
+    loss_fn = functools.partial(sft.nll_sum, kernels=kernels)
+    return model, StageParts(items, sft.collate_padded(0), loss_fn, sft.count_tokens)
 
 
 def torch_seed() -> None:
@@ -167,18 +188,13 @@ def torch_seed() -> None:
 
 
 def run_ours(args, model, tokenizer, sequences, out: str) -> tuple[list[float], list[float]]:
-    from rlfactory.algos import common
     from rlfactory.config.loader import validate_config
     from rlfactory.engine.offline import train
     from rlfactory.engine.run_dir import read_log
 
     model, parts = _ours_parts(args, model, tokenizer, sequences)
-    if args.impl == "ours_torchlp":
-        common.LINEAR_LOGPROBS_BACKEND = "torch"  # the chunked torch loop instead of Liger's kernel
-    for variant in args.impl.split("-")[1:]:  # levers under test: ours_compile-c8192-cudagraphs
-        if variant.startswith("c") and variant[1:].isdigit():
-            common.NLL_CHUNK_ROWS = int(variant[1:])  # rows per LM-head chunk in sft's loss
-        elif variant in COMPILE_MODES:
+    for variant in args.impl.split("-")[1:]:  # levers under test (-c<rows>: in _ours_kernels)
+        if variant in COMPILE_MODES:
             from rlfactory.engine import shared
 
             shared.compile_layers = functools.partial(_compile_layers_with_mode, mode=COMPILE_MODES[variant])

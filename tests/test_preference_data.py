@@ -336,13 +336,13 @@ def test_every_dpo_loss_type_on_one_batch(tokenizer, model, loss_type):
     """Policy == reference: DPO-family losses sit at their value for a zero margin; precomputed == live reference;
     sft_weight (RPO) adds exactly the chosen responses' mean token NLL."""
     from rlfactory.config.schema import DPOConfig
-    from rlfactory.stages import reference
+    from rlfactory.model.reference import ReferencePolicy
 
     section = DPOConfig(loss_type=loss_type, beta=0.5, simpo_gamma=0.0)
     loss, traits = dpo.check_loss_type(loss_type)
     items = preference_data.render_pairs(_cfg(), tokenizer, _pairs(4))
     collate = preference_data.collate_pairs(tokenizer.pad_token_id)
-    live = None if traits["reference_free"] else reference.frozen(model)
+    live = None if traits["reference_free"] else ReferencePolicy(model, copy=model)
     with torch.no_grad():
         total, metrics = dpo.make_loss(section, loss, traits, live)(model, collate(items))
         # -log sigmoid(0) = log 2; ipo (0 - 1/(2 beta))^2 = 1; hinge max(0, 1 - 0) = 1
@@ -351,7 +351,7 @@ def test_every_dpo_loss_type_on_one_batch(tokenizer, model, loss_type):
             assert float(total) / len(items) == pytest.approx(zero_margin[loss_type], rel=1e-5)
             assert metrics["rewards/margins"] == 0.0
         if live is not None:
-            reference.precompute_pairs(
+            dpo.precompute_pairs(
                 None,
                 _cfg(),
                 model,

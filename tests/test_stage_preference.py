@@ -12,7 +12,8 @@ from tests.conftest import DATA_DIR, TINY_MODEL, run_cli, write_yaml
 
 from rlfactory.config.loader import validate_config
 from rlfactory.engine.run_dir import read_log
-from rlfactory.stages import dpo, kto, orpo, reference, rm
+from rlfactory.model import reference
+from rlfactory.stages import dpo, kto, orpo, rm
 from rlfactory.stages.preference_data import PAIR_ACCURACY
 
 HELDOUT_PAIRS = 128  # of arith_pref_test: 4 eval batches of 32; tells 0.6 from chance (sd 0.044)

@@ -7,9 +7,28 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HeadKernels:
+    """How the chunked LM head runs, decided once per run (``model.loader.head_kernels``) and passed down.
+
+    An argument rather than module switches, so two runs in one process (the WebUI, the tests) never see each
+    other's choices. ``compiled``: sft's chunk is one compiled kernel on CUDA (``train.torch_compile``);
+    ``logprobs``: the kernel of ``linear_token_logprobs`` on CUDA ("liger": Liger's fused linear cross-entropy);
+    ``chunk_rows``: rows per chunk in ``linear_nll_sum`` (None: ``_chunk_rows``, a fixed logits budget).
+    """
+
+    compiled: bool = False
+    logprobs: Literal["torch", "liger"] = "torch"
+    chunk_rows: int | None = None
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -82,7 +101,11 @@ class _LinearLogprobs(torch.autograd.Function):
 
 
 def linear_token_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 2048
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int = 2048,
+    kernels: HeadKernels = HeadKernels(),
 ) -> torch.Tensor:
     """Log-probability of each label under the LM head: ``log_softmax(hidden @ weight.T)[labels]``.
 
@@ -91,17 +114,15 @@ def linear_token_logprobs(
     the (N, V) logits exist one chunk at a time in forward AND backward (recomputed there), so scoring
     16k positions over a 152k vocabulary needs ~1 GB instead of ~5 GB of bf16 logits plus their fp32 grads.
     Under autocast the matrix products run in the autocast dtype; the log-sum-exp is always float32.
+    ``kernels.logprobs == "liger"`` runs Liger's fused linear cross-entropy instead (CUDA only).
     """
-    if LINEAR_LOGPROBS_BACKEND == "liger" and hidden.is_cuda:
+    if kernels.logprobs == "liger" and hidden.is_cuda:
         from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
         # reduction="none" recomputes the chunked logits in backward with the per-token upstream gradient
         nll = LigerFusedLinearCrossEntropyFunction.apply(hidden, weight, labels, None, None, -100, 0.0, 0.0, "none")[0]
         return -nll.float()
     return _LinearLogprobs.apply(hidden, weight, labels, chunk_size)
-
-
-LINEAR_LOGPROBS_BACKEND = "torch"  # "liger": Liger's fused linear cross-entropy on CUDA (set by model.liger_kernel)
 
 
 class _LinearNLLSum(torch.autograd.Function):
@@ -116,7 +137,7 @@ class _LinearNLLSum(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, hidden, weight, labels, chunk_size):  # noqa: ANN001 (autograd signature)
+    def forward(ctx, hidden, weight, labels, chunk_size, compiled):  # noqa: ANN001 (autograd signature)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         device_type = hidden.device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
@@ -130,7 +151,7 @@ class _LinearNLLSum(torch.autograd.Function):
             h, target = h_all[rows], labels[rows, None]
             logits = h @ w.T
             # d nll / d logits = softmax - onehot(label) overwrites the logits: one fused kernel when compiled
-            nll = _fused_chunk(logits, target) if grads and COMPILE_HEAD and h.is_cuda else None
+            nll = _fused_chunk(logits, target) if grads and compiled and h.is_cuda else None
             if nll is None:
                 nll = _nll_and_dlogits_(logits, target, grads)
             loss += nll
@@ -152,6 +173,7 @@ class _LinearNLLSum(torch.autograd.Function):
         return (
             None if grad_h is None else grad_h.mul_(scale.to(grad_h.dtype)),
             None if grad_w is None else grad_w.mul_(scale.to(grad_w.dtype)),
+            None,
             None,
             None,
         )
@@ -188,9 +210,6 @@ def _nll_and_dlogits_(logits: torch.Tensor, target: torch.Tensor, grads: bool) -
     return nll
 
 
-COMPILE_HEAD = False  # set by the engine under train.torch_compile: one fused kernel per chunk on CUDA
-
-
 def _nll_and_dlogits_fusable_(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """``_nll_and_dlogits_`` written for the compiler (a where() rather than an in-place scatter): the float32
     logits are never stored, and the gradient is written over the logits (no second buffer)."""
@@ -208,19 +227,24 @@ def _compiled_nll_and_dlogits_():
     return torch.compile(_nll_and_dlogits_fusable_, dynamic=True)
 
 
+_UNCOMPILABLE: set[str] = set()  # device types where compiling the chunk failed: a fact of the machine, not a setting
+
+
 def _fused_chunk(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor | None:
-    """The compiled chunk function (summed NLL; the gradient over the logits), or None (and the eager path from
-    then on) if this machine cannot compile."""
-    global COMPILE_HEAD
+    """The compiled chunk function (summed NLL; the gradient over the logits), or None (the eager path) when this
+    machine cannot compile it. A failure is logged once and remembered per device type: a machine without a
+    working compiler (triton) fails the same way on every chunk, and retrying would re-trace each time. The run's
+    ``HeadKernels`` is untouched, so what one run found never reads as another run's choice."""
+    if logits.device.type in _UNCOMPILABLE:
+        return None
     try:
         return _compiled_nll_and_dlogits_()(logits, target)
     except Exception as exc:  # noqa: BLE001 (a missing compiler/triton must not stop training)
-        logging.getLogger(__name__).warning("LM-head chunk not compiled (%s); eager from here on", exc)
-        COMPILE_HEAD = False
+        log.warning("LM-head chunk not compiled (%s); eager on %s from here on", exc, logits.device.type)
+        _UNCOMPILABLE.add(logits.device.type)
         return None
 
 
-NLL_CHUNK_ROWS: int | None = None  # rows of logits per chunk in ``linear_nll_sum``; None: ``_chunk_rows``
 _CHUNK_LOGITS_BYTES = 1.25e9  # a chunk's bf16 logits: 4096 rows at a 152k vocabulary, 2048 at 256k
 
 
@@ -237,17 +261,22 @@ def _chunk_rows(vocab_size: int, eager: bool = False) -> int:
 
 
 def linear_nll_sum(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int | None = None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int | None = None,
+    kernels: HeadKernels = HeadKernels(),
 ) -> torch.Tensor:
     """Summed next-token NLL under the LM head, ``sum(-log_softmax(hidden @ weight.T)[labels])``, float32 scalar.
 
     hidden: (N, H) final hidden states of the positions that are trained; weight: (V, H); labels: (N,). The
     (N, V) logits exist ``chunk_size`` rows at a time and their gradient is formed right there: sft's loss
-    without the full-vocabulary logits or a recompute.
+    without the full-vocabulary logits or a recompute. Rows per chunk: ``chunk_size``, else
+    ``kernels.chunk_rows``, else ``_chunk_rows``; ``kernels.compiled`` fuses each chunk on CUDA.
     """
-    eager = not (COMPILE_HEAD and hidden.is_cuda)
-    rows = chunk_size or NLL_CHUNK_ROWS or _chunk_rows(weight.shape[0], eager)
-    return _LinearNLLSum.apply(hidden, weight, labels, rows)
+    compiled = kernels.compiled and hidden.is_cuda and hidden.device.type not in _UNCOMPILABLE
+    rows = chunk_size or kernels.chunk_rows or _chunk_rows(weight.shape[0], eager=not compiled)
+    return _LinearNLLSum.apply(hidden, weight, labels, rows, compiled)
 
 
 def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 4096) -> torch.Tensor:

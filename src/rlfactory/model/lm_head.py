@@ -5,7 +5,8 @@ The call still goes through the outer model (DDP, PEFT, a compiled layer stack),
 logits (``logits_to_keep=1``) and takes the decoder's last hidden state from a forward hook. dpo, kto, orpo
 and the reference pass use it; a model without a decoder/head split (or a head with a bias) falls back to
 its full logits. sft's loss, a plain token sum, goes the same way through ``nll_sum`` (gradients formed in
-the forward, ``algos.common.linear_nll_sum``).
+the forward, ``algos.common.linear_nll_sum``). Both take the run's ``HeadKernels`` (compiled chunk, Liger's
+log-prob kernel, rows per chunk), decided once from the config by ``model.loader.head_kernels``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rlfactory.algos.common import linear_nll_sum, linear_token_logprobs, token_logprobs
+from rlfactory.algos.common import HeadKernels, linear_nll_sum, linear_token_logprobs, token_logprobs
 
 
 def lm_parts(model: Any) -> tuple[Any, Any] | None:
@@ -40,7 +41,11 @@ def _final_hidden(model: Any, decoder: Any, inputs: dict[str, torch.Tensor]) -> 
 
 
 def nll_sum(
-    model: Any, inputs: dict[str, torch.Tensor], labels: torch.Tensor, rows: torch.Tensor | None = None
+    model: Any,
+    inputs: dict[str, torch.Tensor],
+    labels: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    kernels: HeadKernels = HeadKernels(),
 ) -> torch.Tensor:
     """Summed next-token NLL of the labelled tokens (``labels`` (N, T), -100 = not trained), float32 scalar.
 
@@ -57,11 +62,16 @@ def nll_sum(
         rows = (targets != -100).flatten().nonzero().squeeze(1)
     hidden = _final_hidden(model, decoder, inputs)
     return linear_nll_sum(
-        hidden.flatten(0, 1).index_select(0, rows), head.weight, targets.flatten().index_select(0, rows)
+        hidden.flatten(0, 1).index_select(0, rows),
+        head.weight,
+        targets.flatten().index_select(0, rows),
+        kernels=kernels,
     )
 
 
-def next_token_logps(model: Any, inputs: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+def next_token_logps(
+    model: Any, inputs: dict[str, torch.Tensor], mask: torch.Tensor, kernels: HeadKernels = HeadKernels()
+) -> torch.Tensor:
     """(N, T) float32: at each position t with ``mask[:, t]`` the log-prob of ``input_ids[:, t + 1]``, else 0.
 
     ``inputs``: the model's keyword inputs (``input_ids`` plus ``attention_mask`` / ``position_ids`` when
@@ -75,5 +85,6 @@ def next_token_logps(model: Any, inputs: dict[str, torch.Tensor], mask: torch.Te
         logits = model(**inputs, use_cache=False).logits
         return token_logprobs(logits, targets) * mask
     decoder, head = parts
-    picked = linear_token_logprobs(_final_hidden(model, decoder, inputs)[mask], head.weight, targets[mask])
+    hidden = _final_hidden(model, decoder, inputs)[mask]
+    picked = linear_token_logprobs(hidden, head.weight, targets[mask], kernels=kernels)
     return torch.zeros(mask.shape, dtype=picked.dtype, device=picked.device).masked_scatter(mask, picked)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rlfactory.config.schema import FreezeConfig, LoraConfig, ModelConfig
+from rlfactory.config.schema import FreezeConfig, LoraConfig, ModelConfig, TrainConfig
 from rlfactory.errors import UserError
+
+if TYPE_CHECKING:
+    from rlfactory.algos.common import HeadKernels
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +107,7 @@ def load_model(
     for adapter in cfg.adapter_paths:
         model = merge_adapter(model, adapter)
     if trainable:
-        enabled = None if cfg.liger_kernel == "auto" else cfg.liger_kernel == "on"
-        maybe_apply_liger(model, enabled, cfg.finetuning, compiled=torch_compile)
+        maybe_apply_liger(model, liger_setting(cfg), cfg.finetuning, compiled=torch_compile)
     if not trainable:
         model.requires_grad_(False)
         return model
@@ -124,28 +126,49 @@ def load_model(
     return model
 
 
-def maybe_apply_liger(model: Any, enabled: bool | None, finetuning: str = "full", compiled: bool = False) -> bool:
-    """Liger kernels: patch the model instance (TRL's `use_liger_kernel` does the same), and pick the kernel of
-    the chunked LM-head log-probs (``model.lm_head``, used by dpo/kto/orpo).
+def liger_setting(cfg: ModelConfig) -> bool | None:
+    """``model.liger_kernel`` as on (True), off (False) or auto (None)."""
+    return None if cfg.liger_kernel == "auto" else cfg.liger_kernel == "on"
 
-    Auto (None): the instance is patched for full/freeze fine-tuning on CUDA when installed. Not for LoRA:
-    measured on an H200 (docs/BENCHMARKS.md) Liger made LoRA SFT of a 0.5B model slower, in TRL as well. The
-    log-prob kernel is Liger's fused linear cross-entropy on CUDA unless liger_kernel is off (measured +9% on
-    DPO LoRA over the chunked torch loop). Nor when the layers will be ``compiled``: torch.compile fuses
-    RMSNorm/SwiGLU/RoPE itself, and with Liger's kernels inside, compiled full SFT was 33% slower (H200).
-    Returns whether the instance was patched.
-    """
+
+def _liger_installed(enabled: bool | None) -> bool:
+    """Whether liger-kernel is importable; ``liger_kernel: on`` without it is a config error."""
     import importlib.util
-
-    import torch
-
-    from rlfactory.algos import common
 
     installed = importlib.util.find_spec("liger_kernel") is not None
     if enabled and not installed:
         raise UserError("model.liger_kernel: on needs the liger-kernel package (`pip install liger-kernel`)")
-    use_kernel = enabled is not False and installed and torch.cuda.is_available()
-    common.LINEAR_LOGPROBS_BACKEND = "liger" if use_kernel else "torch"
+    return installed
+
+
+def head_kernels(model: ModelConfig, train: TrainConfig) -> HeadKernels:
+    """The run's LM-head kernels (``algos.common.HeadKernels``), decided once from its config.
+
+    ``compiled`` under ``train.torch_compile`` (sft's chunk becomes one fused kernel on CUDA). The log-prob
+    kernel of dpo/kto/orpo is Liger's fused linear cross-entropy on CUDA unless liger_kernel is off (measured
+    +9% on DPO LoRA over the chunked torch loop), also for LoRA and compiled runs, where the layer kernels stay out.
+    """
+    import torch
+
+    from rlfactory.algos.common import HeadKernels
+
+    enabled = liger_setting(model)
+    use_liger = enabled is not False and _liger_installed(enabled) and torch.cuda.is_available()
+    return HeadKernels(compiled=train.torch_compile, logprobs="liger" if use_liger else "torch")
+
+
+def maybe_apply_liger(model: Any, enabled: bool | None, finetuning: str = "full", compiled: bool = False) -> bool:
+    """Liger's layer kernels: patch the model instance (TRL's `use_liger_kernel` does the same). The LM-head
+    log-prob kernel is chosen apart from this, by ``head_kernels``.
+
+    Auto (None): the instance is patched for full/freeze fine-tuning on CUDA when installed. Not for LoRA:
+    measured on an H200 (docs/BENCHMARKS.md) Liger made LoRA SFT of a 0.5B model slower, in TRL as well. Nor
+    when the layers will be ``compiled``: torch.compile fuses RMSNorm/SwiGLU/RoPE itself, and with Liger's
+    kernels inside, compiled full SFT was 33% slower (H200). Returns whether the instance was patched.
+    """
+    import torch
+
+    installed = _liger_installed(enabled)
     if enabled is None:
         enabled = installed and torch.cuda.is_available() and finetuning != "lora" and not compiled
     if not enabled:

@@ -19,11 +19,14 @@ from typing import Any
 
 import torch
 
+from rlfactory.algos.common import HeadKernels
 from rlfactory.algos.preference import PREFERENCE_LOSSES, preference_metrics
 from rlfactory.config.schema import DPOConfig, RunConfig
 from rlfactory.engine.offline import Batch, StageParts, train
 from rlfactory.errors import UserError, did_you_mean
-from rlfactory.stages import common, preference_data, reference
+from rlfactory.model import reference
+from rlfactory.model.reference import ReferencePolicy
+from rlfactory.stages import common, preference_data
 from rlfactory.stages.preference_data import PAIR_ACCURACY, collate_pairs, forward_logps
 
 log = logging.getLogger(__name__)
@@ -52,24 +55,32 @@ def count_pairs(batch: Batch) -> float:
     return float(batch["input_ids"].shape[0] // 2)
 
 
-def reference_logps(batch: Batch, ref: reference.RefFn | None, length_normalised: bool) -> torch.Tensor | None:
+def reference_logps(
+    batch: Batch, ref: ReferencePolicy | None, length_normalised: bool, kernels: HeadKernels = HeadKernels()
+) -> torch.Tensor | None:
     """(2B,) reference log-probs: precomputed in the batch, computed now, or None (reference-free loss)."""
     if "ref_logps" in batch:
         return batch["ref_logps"]
     if ref is None:
         return None
-    sums, means = ref(batch, "")
+    sums, means = preference_data.reference_logps(ref, batch, "", kernels)
     return means if length_normalised else sums
 
 
-def make_loss(section: DPOConfig, loss: Callable[..., Any], traits: dict, ref: reference.RefFn | None) -> Callable:
-    """loss_fn(model, batch) -> (summed per-pair loss, metrics under TRL's names)."""
+def make_loss(
+    section: DPOConfig,
+    loss: Callable[..., Any],
+    traits: dict,
+    ref: ReferencePolicy | None,
+    kernels: HeadKernels = HeadKernels(),
+) -> Callable:
+    """loss_fn(model, batch) -> (summed per-pair loss, metrics under TRL's names); ``kernels``: the run's LM head."""
     length_normalised = traits["length_normalised"]
 
-    def dpo_loss(model: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-        sums, means = forward_logps(model, batch)
+    def dpo_loss(model: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        sums, means = forward_logps(model, batch, "", kernels)
         policy_chosen, policy_rejected = (means if length_normalised else sums).chunk(2)
-        ref_logps = reference_logps(batch, ref, length_normalised)
+        ref_logps = reference_logps(batch, ref, length_normalised, kernels)
         ref_chosen, ref_rejected = ref_logps.chunk(2) if ref_logps is not None else (None, None)
         losses, chosen_rewards, rejected_rewards = loss(
             policy_chosen,
@@ -91,8 +102,55 @@ def make_loss(section: DPOConfig, loss: Callable[..., Any], traits: dict, ref: r
     return dpo_loss
 
 
-def setup_reference(cfg: RunConfig, model: Any, traits: dict, item_sets: list[list[dict]], pad_id: int) -> Any:
-    """Reference per the module doc of ``stages.reference``; None when reference-free or precomputed."""
+def precompute_pairs(
+    ref_path: str | None,
+    cfg: RunConfig,
+    policy: Any,
+    item_sets: list[list[dict]],
+    *,
+    collate: Callable[[list[dict]], Batch],
+    batch_size: int,
+    length_normalised: bool,
+    kernels: HeadKernels = HeadKernels(),
+) -> None:
+    """``dpo.precompute_ref_logps``: store ``ref_chosen_logps`` / ``ref_rejected_logps`` (summed, or averaged
+    when ``length_normalised``) in every pair item, in one pass before training.
+
+    The policy at step 0 is the reference, so it is used directly (LoRA: its adapter disabled; full/freeze:
+    its own weights, no copy) unless ``ref_path`` names another model, which is loaded, used once and freed.
+    """
+    device = preference_data.run_device()
+    copy = reference.load_frozen_copy(cfg, ref_path) if ref_path else None
+    if copy is None and not reference.is_peft(policy):
+        copy = policy  # full/freeze at step 0: the starting weights ARE the reference
+    with ReferencePolicy(policy, copy).weights(device) as model:
+        was_training = model.training
+        model.eval()
+        for items in item_sets:
+            for start in range(0, len(items), batch_size):
+                chunk = items[start : start + batch_size]
+                batch = {k: v.to(device) for k, v in collate(chunk).items()}
+                _store_ref_logps(chunk, forward_logps(model, batch, "", kernels), length_normalised)
+        model.train(was_training)
+    if ref_path:
+        del copy, model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    log.info("reference log-probs precomputed for %d pair(s)", sum(len(items) for items in item_sets))
+
+
+def _store_ref_logps(chunk: list[dict], logps: tuple[torch.Tensor, torch.Tensor], length_normalised: bool) -> None:
+    """Write one batch's (summed, averaged) reference log-probs into its pair items, chosen rows first."""
+    sums, means = logps
+    chosen, rejected = (means if length_normalised else sums).float().cpu().chunk(2)
+    for item, c, r in zip(chunk, chosen.tolist(), rejected.tolist(), strict=True):
+        item.update(ref_chosen_logps=c, ref_rejected_logps=r)
+
+
+def setup_reference(
+    cfg: RunConfig, model: Any, traits: dict, item_sets: list[list[dict]], pad_id: int, kernels: HeadKernels
+) -> ReferencePolicy | None:
+    """The reference (``model.reference``); None when reference-free or precomputed."""
     section = cfg.dpo
     assert section is not None
     if traits["reference_free"]:
@@ -100,7 +158,7 @@ def setup_reference(cfg: RunConfig, model: Any, traits: dict, item_sets: list[li
             log.info("dpo.loss_type '%s' is reference-free: nothing to precompute", section.loss_type)
         return None
     if section.precompute_ref_logps:
-        reference.precompute_pairs(
+        precompute_pairs(
             section.ref_model,
             cfg,
             model,
@@ -108,13 +166,14 @@ def setup_reference(cfg: RunConfig, model: Any, traits: dict, item_sets: list[li
             collate=collate_pairs(pad_id),
             batch_size=cfg.train.per_device_batch_size,
             length_normalised=traits["length_normalised"],
+            kernels=kernels,
         )
         return None
     return reference.build_reference(cfg, model, section.ref_model)
 
 
 def run(cfg: RunConfig) -> dict[str, Any]:
-    from rlfactory.model.loader import load_model, load_tokenizer
+    from rlfactory.model.loader import head_kernels, load_model, load_tokenizer
 
     assert cfg.dpo is not None
     loss, traits = check_loss_type(cfg.dpo.loss_type)
@@ -128,7 +187,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
     model = load_model(cfg.model, cfg.lora, cfg.freeze, torch_compile=cfg.train.torch_compile)
     item_sets = [train_items] + ([eval_items] if eval_items else [])
-    ref = setup_reference(cfg, model, traits, item_sets, tokenizer.pad_token_id)
+    kernels = head_kernels(cfg.model, cfg.train)
+    ref = setup_reference(cfg, model, traits, item_sets, tokenizer.pad_token_id, kernels)
     common.start_output_dir(cfg, resume_from)
     before = preference_data.generation_before(cfg, model, tokenizer, eval_prompts, resume_from is not None)
 
@@ -136,7 +196,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         train_examples=train_items,
         eval_examples=eval_items,
         collate=collate_pairs(tokenizer.pad_token_id),
-        loss_fn=make_loss(cfg.dpo, loss, traits, ref),
+        loss_fn=make_loss(cfg.dpo, loss, traits, ref, kernels),
         count_fn=count_pairs,
     )
     result = train(cfg, model, tokenizer, parts, resume_from)

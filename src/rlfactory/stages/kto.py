@@ -23,12 +23,14 @@ from typing import Any
 
 import torch
 
+from rlfactory.algos.common import HeadKernels, masked_mean
 from rlfactory.algos.preference import PREFERENCE_LOSSES
 from rlfactory.config.schema import KTOConfig, RunConfig
 from rlfactory.engine.offline import Batch, StageParts, train
 from rlfactory.errors import UserError
-from rlfactory.stages import common, preference_data, reference
-from rlfactory.stages.preference_data import fit_prompt, forward_logps, pad_rows, warn_truncation
+from rlfactory.model.reference import ReferencePolicy, build_reference
+from rlfactory.stages import common, preference_data
+from rlfactory.stages.preference_data import fit_prompt, forward_logps, pad_rows, reference_logps, warn_truncation
 
 log = logging.getLogger(__name__)
 MARGINS = "eval reward margin (desirable - undesirable; 0 at step 0)"
@@ -124,41 +126,58 @@ def collate_unpaired(pad_id: int, cutoff_len: int) -> Callable[[list[dict]], Bat
             kl_rows.append((prompt, other["ids"], other["mask"]))
         batch.update({f"kl_{k}": v for k, v in pad_rows(kl_rows, pad_id).items()})
         batch["desirable"] = torch.tensor([it["label"] for it in items], dtype=torch.bool)
+        # (any desirable, any undesirable) as host booleans: the loss picks its logged class means without a sync
+        batch["labels_present"] = (any(it["label"] for it in items), not all(it["label"] for it in items))
         return batch
 
     return collate
 
 
-def kto_metrics(rewards: torch.Tensor, logps: torch.Tensor, desirable: torch.Tensor, kl: torch.Tensor) -> dict:
-    """TRL's KTO names: kl, rewards/chosen|rejected|margins, logps/chosen|rejected (class means of the batch)."""
-    metrics = {"kl": float(kl)}
-    for name, rows in (("chosen", desirable), ("rejected", ~desirable)):
-        if rows.any():
-            metrics[f"rewards/{name}"] = rewards[rows].mean().item()
-            metrics[f"logps/{name}"] = logps.detach()[rows].mean().item()
-    if "rewards/chosen" in metrics and "rewards/rejected" in metrics:
+def kto_metrics(
+    rewards: torch.Tensor,
+    logps: torch.Tensor,
+    desirable: torch.Tensor,
+    kl: torch.Tensor,
+    present: tuple[bool, bool],
+) -> dict[str, torch.Tensor]:
+    """TRL's KTO names: kl, rewards/chosen|rejected|margins, logps/chosen|rejected (class means of the batch),
+    as 0-d device tensors (the engine reads them at log time, no sync in the step).
+
+    ``present``: whether the batch has (desirable, undesirable) rows, known on the host from the collate. A
+    class absent from the batch logs no mean (nor a margin), so the engine averages each over the batches that
+    have it; deciding that from ``desirable`` itself would wait for the device.
+    """
+    metrics = {"kl": kl.detach()}
+    for name, rows, has_rows in (("chosen", desirable, present[0]), ("rejected", ~desirable, present[1])):
+        if has_rows:
+            metrics[f"rewards/{name}"] = masked_mean(rewards.detach(), rows)
+            metrics[f"logps/{name}"] = masked_mean(logps.detach(), rows)
+    if all(present):
         metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
     return metrics
 
 
-def make_loss(section: KTOConfig, ref: reference.RefFn) -> Callable[[Any, Batch], tuple[torch.Tensor, dict]]:
+def make_loss(
+    section: KTOConfig, ref: ReferencePolicy, kernels: HeadKernels = HeadKernels()
+) -> Callable[[Any, Batch], tuple[torch.Tensor, dict]]:
+    """loss_fn(model, batch) -> (summed per-example loss, TRL's KTO metrics); ``kernels``: the run's LM head."""
     kto = PREFERENCE_LOSSES.get("kto")
 
-    def kto_loss(model: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    def kto_loss(model: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         with torch.no_grad():  # the reference point is detached: no graph for the mismatched rows
-            policy_kl = forward_logps(model, batch, "kl_")[0]
-        policy = forward_logps(model, batch)[0]
+            policy_kl = forward_logps(model, batch, "kl_", kernels)[0]
+        policy = forward_logps(model, batch, "", kernels)[0]
         losses, rewards, kl = kto(
             policy,
-            ref(batch, "")[0],
+            reference_logps(ref, batch, "", kernels)[0],
             batch["desirable"],
             policy_kl,
-            ref(batch, "kl_")[0],
+            reference_logps(ref, batch, "kl_", kernels)[0],
             beta=section.beta,
             desirable_weight=section.desirable_weight,
             undesirable_weight=section.undesirable_weight,
         )
-        return losses.sum(), kto_metrics(rewards, policy, batch["desirable"], kl)
+        return losses.sum(), kto_metrics(rewards, policy, batch["desirable"], kl, batch["labels_present"])
 
     return kto_loss
 
@@ -168,7 +187,7 @@ def count_examples(batch: Batch) -> float:
 
 
 def run(cfg: RunConfig) -> dict[str, Any]:
-    from rlfactory.model.loader import load_model, load_tokenizer
+    from rlfactory.model.loader import head_kernels, load_model, load_tokenizer
 
     assert cfg.kto is not None
     if cfg.train.per_device_batch_size < 2:
@@ -188,7 +207,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     eval_prompts = common.load_eval_prompts(cfg)
 
     model = load_model(cfg.model, cfg.lora, cfg.freeze, torch_compile=cfg.train.torch_compile)
-    ref = reference.build_reference(cfg, model)
+    ref = build_reference(cfg, model)
     common.start_output_dir(cfg, resume_from)
     before = preference_data.generation_before(cfg, model, tokenizer, eval_prompts, resume_from is not None)
 
@@ -196,7 +215,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         train_examples=train_items,
         eval_examples=eval_items,
         collate=collate_unpaired(tokenizer.pad_token_id, cfg.data.cutoff_len),
-        loss_fn=make_loss(cfg.kto, ref),
+        loss_fn=make_loss(cfg.kto, ref, head_kernels(cfg.model, cfg.train)),
         count_fn=count_examples,
     )
     result = train(cfg, model, tokenizer, parts, resume_from)

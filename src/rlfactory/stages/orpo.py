@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from rlfactory.algos.common import HeadKernels
 from rlfactory.algos.preference import PREFERENCE_LOSSES, preference_metrics
 from rlfactory.config.schema import ORPOConfig, RunConfig
 from rlfactory.engine.offline import Batch, StageParts, train
@@ -25,12 +26,15 @@ from rlfactory.stages.dpo import count_pairs
 from rlfactory.stages.preference_data import PAIR_ACCURACY, collate_pairs, forward_logps
 
 
-def make_loss(section: ORPOConfig) -> Callable[[Any, Batch], tuple[torch.Tensor, dict[str, float]]]:
-    """loss_fn(model, batch) -> (summed per-pair loss, TRL's ORPO metrics)."""
+def make_loss(
+    section: ORPOConfig, kernels: HeadKernels = HeadKernels()
+) -> Callable[[Any, Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """loss_fn(model, batch) -> (summed per-pair loss, TRL's ORPO metrics as 0-d device tensors: the engine
+    reads them at log time); ``kernels``: the run's LM head."""
     odds_ratio = PREFERENCE_LOSSES.get("orpo")
 
-    def orpo_loss(model: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-        sums, means = forward_logps(model, batch)
+    def orpo_loss(model: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        sums, means = forward_logps(model, batch, "", kernels)
         chosen, rejected = means.chunk(2)
         or_losses, chosen_rewards, rejected_rewards, log_odds_ratio, log_odds = odds_ratio(
             chosen, rejected, beta=section.beta
@@ -38,9 +42,9 @@ def make_loss(section: ORPOConfig) -> Callable[[Any, Batch], tuple[torch.Tensor,
         nll = -chosen
         metrics = preference_metrics(chosen_rewards, rejected_rewards, chosen, rejected)
         metrics.update(
-            nll_loss=nll.detach().mean().item(),
-            log_odds_ratio=log_odds_ratio.mean().item(),
-            log_odds_chosen=log_odds.mean().item(),
+            nll_loss=nll.detach().mean(),
+            log_odds_ratio=log_odds_ratio.detach().mean(),
+            log_odds_chosen=log_odds.detach().mean(),
         )
         metrics["logps/accuracies"] = preference_data.logp_accuracy(*sums.chunk(2))
         return (nll + or_losses).sum(), metrics
@@ -49,7 +53,7 @@ def make_loss(section: ORPOConfig) -> Callable[[Any, Batch], tuple[torch.Tensor,
 
 
 def run(cfg: RunConfig) -> dict[str, Any]:
-    from rlfactory.model.loader import load_model, load_tokenizer
+    from rlfactory.model.loader import head_kernels, load_model, load_tokenizer
 
     assert cfg.orpo is not None
     resume_from = common.preflight(cfg)
@@ -68,7 +72,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         train_examples=train_items,
         eval_examples=eval_items,
         collate=collate_pairs(tokenizer.pad_token_id),
-        loss_fn=make_loss(cfg.orpo),
+        loss_fn=make_loss(cfg.orpo, head_kernels(cfg.model, cfg.train)),
         count_fn=count_pairs,
     )
     result = train(cfg, model, tokenizer, parts, resume_from)

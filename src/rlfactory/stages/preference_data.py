@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
-from rlfactory.algos.common import masked_sum, token_logprobs
+from rlfactory.algos.common import HeadKernels, masked_sum, token_logprobs
 from rlfactory.config.schema import RunConfig
 from rlfactory.engine.offline import Batch
 from rlfactory.errors import UserError
+from rlfactory.model.reference import ReferencePolicy
 from rlfactory.render.chat import render_continuation
 from rlfactory.stages import common
 
@@ -155,11 +156,14 @@ def sequence_logps(
     return sums, sums / mask.sum(-1).clamp(min=1)
 
 
-def forward_logps(model: Any, batch: Batch, prefix: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+def forward_logps(
+    model: Any, batch: Batch, prefix: str = "", kernels: HeadKernels = HeadKernels()
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One causal-LM forward over the rows ``{prefix}input_ids``; returns (summed, averaged) response logps.
 
-    Only the response positions go through the LM head (``model.lm_head.next_token_logps``), so the
-    (2B, T, V) logits never exist. ``attention_mask`` may be absent (no padding: sdpa's causal path).
+    Only the response positions go through the LM head (``model.lm_head.next_token_logps``, with the run's
+    ``kernels``), so the (2B, T, V) logits never exist. ``attention_mask`` may be absent (no padding: sdpa's
+    causal path).
     """
     from rlfactory.model.lm_head import next_token_logps
 
@@ -168,8 +172,16 @@ def forward_logps(model: Any, batch: Batch, prefix: str = "") -> tuple[torch.Ten
         inputs["attention_mask"] = batch[f"{prefix}attention_mask"]
     mask = torch.zeros_like(batch[f"{prefix}loss_mask"])
     mask[:, :-1] = batch[f"{prefix}loss_mask"][:, 1:]  # position t predicts token t+1
-    sums = next_token_logps(model, inputs, mask).sum(-1)
+    sums = next_token_logps(model, inputs, mask, kernels).sum(-1)
     return sums, sums / mask.sum(-1).clamp(min=1)
+
+
+def reference_logps(
+    ref: ReferencePolicy, batch: Batch, prefix: str = "", kernels: HeadKernels = HeadKernels()
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``forward_logps`` of the rows ``{prefix}input_ids`` on the reference's weights, without gradient."""
+    with ref.weights(batch[f"{prefix}input_ids"].device) as model:
+        return forward_logps(model, batch, prefix, kernels)
 
 
 def run_device() -> torch.device:

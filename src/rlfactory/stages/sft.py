@@ -10,11 +10,13 @@ attention mask from the position ids, so packed documents never attend to each o
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
 import torch
 
+from rlfactory.algos.common import HeadKernels
 from rlfactory.config.schema import RunConfig
 from rlfactory.engine.offline import Batch, StageParts, train
 from rlfactory.errors import UserError
@@ -101,16 +103,18 @@ def target_rows(labels: torch.Tensor) -> torch.Tensor:
     return row * labels.shape[1] + column
 
 
-def nll_sum(model: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+def nll_sum(
+    model: Any, batch: Batch, kernels: HeadKernels = HeadKernels()
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Summed next-token NLL over labelled tokens (the engine divides by the window's token count).
 
     The LM head runs on labelled positions only, in chunks, never building the (T, V) logits
-    (``model.lm_head.nll_sum``).
+    (``model.lm_head.nll_sum``), with the run's ``kernels``.
     """
     from rlfactory.model.lm_head import nll_sum as head_nll_sum
 
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
-    loss_sum = head_nll_sum(model, inputs, batch["labels"], batch.get("target_rows"))
+    loss_sum = head_nll_sum(model, inputs, batch["labels"], batch.get("target_rows"), kernels)
     n_tokens = count_tokens(batch).clamp(min=1)
     return loss_sum, {"nll_per_token": loss_sum.detach() / n_tokens}
 
@@ -121,7 +125,7 @@ def count_tokens(batch: Batch) -> torch.Tensor:
 
 def run(cfg: RunConfig) -> dict[str, Any]:
     from rlfactory.data.loader import load_examples
-    from rlfactory.model.loader import load_model, load_tokenizer
+    from rlfactory.model.loader import head_kernels, load_model, load_tokenizer
 
     resume_from = common.preflight(cfg)
     tokenizer = load_tokenizer(cfg.model)
@@ -147,7 +151,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         train_examples=train_items,
         eval_examples=eval_items,
         collate=collate_packed if cfg.data.packing else collate_padded(tokenizer.pad_token_id),
-        loss_fn=nll_sum,
+        loss_fn=functools.partial(nll_sum, kernels=head_kernels(cfg.model, cfg.train)),
         count_fn=count_tokens,
     )
     result = train(cfg, model, tokenizer, parts, resume_from)

@@ -1,0 +1,127 @@
+"""LM-head kernel choices are a per-run value (``HeadKernels``), decided from the config and passed down.
+
+Nothing is left in module state between runs in one process (the WebUI, the tests): a compiled run followed by
+a default one gets the default kernels, and a machine that cannot compile falls back without touching them.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from tests.conftest import DATA_DIR, TINY_MODEL
+
+from rlfactory.algos import common
+from rlfactory.algos.common import HeadKernels
+from rlfactory.config.loader import validate_config
+from rlfactory.config.schema import ModelConfig, TrainConfig
+from rlfactory.errors import UserError
+from rlfactory.model.loader import head_kernels
+
+
+def test_head_kernels_follow_each_configs_settings():
+    """compiled from train.torch_compile, nothing carried over to the next call; liger_kernel: off (or a machine
+    without CUDA or liger-kernel) gives the torch log-prob loop."""
+    import dataclasses
+
+    model = ModelConfig(name_or_path=str(TINY_MODEL))
+    compiled = head_kernels(model, TrainConfig(torch_compile=True))
+    assert compiled.compiled and compiled.chunk_rows is None
+    assert head_kernels(model, TrainConfig()) == HeadKernels(logprobs=compiled.logprobs)
+    off = model.model_copy(update={"liger_kernel": "off"})
+    assert head_kernels(off, TrainConfig()) == HeadKernels() == HeadKernels(False, "torch", None)
+    if not torch.cuda.is_available():
+        assert compiled == HeadKernels(compiled=True)
+    with pytest.raises(dataclasses.FrozenInstanceError):  # a run's choice cannot be flipped later
+        compiled.compiled = False  # type: ignore[misc]
+
+
+def test_liger_on_without_the_package_is_a_config_error():
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is not None:
+        pytest.skip("liger-kernel is installed")
+    on = ModelConfig(name_or_path=str(TINY_MODEL), liger_kernel="on")
+    with pytest.raises(UserError, match="liger-kernel package"):
+        head_kernels(on, TrainConfig())
+
+
+def test_linear_nll_sum_takes_its_chunk_rows_from_the_call(monkeypatch):
+    """Rows per chunk: ``chunk_size``, else ``kernels.chunk_rows``, else the eager logits budget (on CPU even when
+    compiled); a call with explicit rows leaves the next default call at the default."""
+    seen: list[tuple[int, bool]] = []
+    apply = common._LinearNLLSum.apply
+
+    def spy(hidden, weight, labels, rows, compiled):  # noqa: ANN001
+        seen.append((rows, compiled))
+        return apply(hidden, weight, labels, rows, compiled)
+
+    monkeypatch.setattr(common._LinearNLLSum, "apply", spy)
+    g = torch.Generator().manual_seed(7)
+    hidden, weight = torch.randn(5, 4, generator=g), torch.randn(11, 4, generator=g)
+    labels = torch.randint(0, 11, (5,), generator=g)
+    common.linear_nll_sum(hidden, weight, labels, kernels=HeadKernels(compiled=True, chunk_rows=2))
+    common.linear_nll_sum(hidden, weight, labels)
+    common.linear_nll_sum(hidden, weight, labels, chunk_size=3, kernels=HeadKernels(chunk_rows=2))
+    assert seen == [(2, False), (common._chunk_rows(11, eager=True), False), (3, False)]
+
+
+def test_a_chunk_that_cannot_compile_falls_back_once_and_is_remembered(monkeypatch, caplog):
+    """The compile failure is logged once and the eager path is taken from then on, on this device type only;
+    no run setting changes (the former COMPILE_HEAD switch was flipped here)."""
+    calls = []
+
+    def broken(*_: object) -> None:
+        calls.append(1)
+        raise RuntimeError("no triton")
+
+    monkeypatch.setattr(common, "_UNCOMPILABLE", set())
+    monkeypatch.setattr(common, "_compiled_nll_and_dlogits_", lambda: broken)
+    logits, target = torch.randn(3, 5), torch.zeros(3, 1, dtype=torch.long)
+    with caplog.at_level(logging.WARNING, logger="rlfactory.algos.common"):
+        assert common._fused_chunk(logits, target) is None
+        assert common._fused_chunk(logits, target) is None
+    assert len(calls) == 1 and common._UNCOMPILABLE == {"cpu"}
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+    assert "no triton" in caplog.records[0].message
+
+
+def _sft_config(tmp_path: Path, name: str, **train: object) -> object:
+    return validate_config(
+        {
+            "stage": "sft",
+            "output_dir": str(tmp_path / name),
+            "model": {"name_or_path": str(TINY_MODEL), "finetuning": "lora"},
+            "lora": {"r": 4, "alpha": 8},
+            "data": {"dataset": "arith_sft", "dataset_dir": str(DATA_DIR), "max_samples": 16, "cutoff_len": 128},
+            "train": {"max_steps": 1, "per_device_batch_size": 4, "learning_rate": 1e-3, **train},
+            "logging": {"progress_bar": False, "plot_loss": False},
+        },
+        "test",
+    )
+
+
+def test_two_sft_runs_in_one_process_each_use_their_own_kernels(tmp_path: Path, monkeypatch):
+    """A torch_compile run, then a default one, in one process: the second's LM head gets the default kernels
+    (before, the first run's ``COMPILE_HEAD = True`` stayed set for every later run)."""
+    from rlfactory.engine import shared
+    from rlfactory.model import lm_head
+    from rlfactory.stages import sft
+
+    seen: list[HeadKernels] = []
+    linear_nll_sum = lm_head.linear_nll_sum
+
+    def spy(*args: object, kernels: HeadKernels, **kw: object) -> torch.Tensor:
+        seen.append(kernels)
+        return linear_nll_sum(*args, kernels=kernels, **kw)
+
+    monkeypatch.setattr(lm_head, "linear_nll_sum", spy)
+    monkeypatch.setattr(shared, "compile_layers", lambda _model: 0)  # the layers' compile is not under test
+    sft.run(_sft_config(tmp_path, "compiled", torch_compile=True))
+    compiled_calls = len(seen)
+    sft.run(_sft_config(tmp_path, "default"))
+    assert compiled_calls > 0 and len(seen) > compiled_calls
+    assert set(seen[:compiled_calls]) == {HeadKernels(compiled=True)}
+    assert set(seen[compiled_calls:]) == {HeadKernels()}
