@@ -116,7 +116,7 @@ def test_ppo_raises_mean_reward(tmp_path: Path):
     ("change", "fragment"),
     [
         ({"reward": {"functions": {}}}, "stage ppo needs a reward source: set reward.functions or reward.reward_model"),
-        ({"algorithm": {"adv_estimator": "grpo"}}, "critic: algorithm.adv_estimator 'grpo' needs no values"),
+        ({"algorithm": {"adv_estimator": "grpo"}}, "'grpo' compares samples of the same prompt: rollout.num_samples"),
         ({"critic": {"model_path": "no/such/critic"}}, "critic.model_path: 'no/such/critic' is not a directory"),
     ],
 )
