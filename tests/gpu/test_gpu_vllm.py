@@ -85,7 +85,7 @@ def _sync_check(mode: str, tmp: Path) -> dict:
     out = backend.generate(repeated, SamplingParams(32, temperature=1.0))
     after = [c.token_ids for c in backend.generate(prompts, greedy)]
     batch = pack_rollouts(repeated, out, tokenizer.pad_token_id)
-    batch = {k: v.cuda() for k, v in batch.items()}
+    batch = batch.to("cuda")
     mask = batch.response_mask > 0
     policy.eval()
 
