@@ -118,8 +118,9 @@ class AlgorithmConfig(Section):
 
     adv_estimator: str | None = Field(
         None,
-        description="Advantage estimator: gae (needs a critic: stage ppo), grpo, rloo, reinforce_plus_plus, "
-        "reinforce_plus_plus_baseline. Default: gae for ppo, grpo for grpo.",
+        description="Advantage estimator: gae (needs values: a critic is trained), grpo, rloo, "
+        "reinforce_plus_plus_baseline (need groups: rollout.num_samples >= 2), reinforce_plus_plus. "
+        "Default: gae for stage ppo, grpo for stage grpo; either stage takes any estimator.",
     )
     grpo_scale: Literal["group", "batch", "none"] = Field(
         "group", description="grpo estimator: divide by the group std (GRPO), the batch std, or not at all (Dr.GRPO)."
