@@ -46,8 +46,11 @@ def test_lora_sft_eval_loss_falls_and_saves_an_adapter(tmp_path: Path, sft_confi
 @pytest.mark.parametrize("finetuning", ["full", "freeze"])
 def test_full_and_freeze_save_full_weights(tmp_path: Path, sft_config: dict, finetuning: str):
     cfg = {**sft_config, "model": {"name_or_path": str(TINY_MODEL), "finetuning": finetuning},
-           "freeze": {"trainable_layers": 1}}
+           "freeze": {"trainable_layers": 1},
+           "evaluation": {"dataset": "arith_prompts_test", "max_samples": 8, "max_new_tokens": 24}}
     out = _train(tmp_path, cfg)
+    score = json.loads((out / "run_summary.json").read_text())["answer_match (arith_prompts_test)"]
+    assert score["n"] == 8 and 0 <= score["before"] <= 1 and 0 <= score["after"] <= 1  # greedy generation, scored
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 

@@ -59,17 +59,15 @@ def load_eval_prompts(cfg: RunConfig) -> list[dict[str, Any]]:
 def evaluate_generation(model: Any, tokenizer: Any, prompts: list[dict[str, Any]], ev: EvaluationConfig) -> dict:
     """Greedy generation on held-out prompts, scored by a reward function (mean score = accuracy)."""
     from rlfactory.render.chat import render_prompt
-    from rlfactory.rewards.builtin import REWARD_FUNCTIONS
+    from rlfactory.rewards.builtin import metric_score
     from rlfactory.rollout.hf import generate_ids
 
-    score_fn = REWARD_FUNCTIONS.get(ev.metric)
     prompt_ids = [render_prompt(tokenizer, ex["messages"], ex.get("tools")) for ex in prompts]
     outputs = generate_ids(model, tokenizer, prompt_ids, ev.max_new_tokens, batch_size=ev.batch_size)
     scores, samples = [], []
     for example, ids, out in zip(prompts, prompt_ids, outputs, strict=True):
         completion = tokenizer.decode(out, skip_special_tokens=True)
-        score = score_fn(tokenizer.decode(ids), completion, example.get("answer"), example)
-        scores.append(float(score if not isinstance(score, dict) else sum(score.values())))
+        scores.append(metric_score(ev.metric, tokenizer.decode(ids), completion, example.get("answer"), example))
         samples.append(
             {
                 "prompt": example["messages"][-1]["content"],
@@ -79,6 +77,28 @@ def evaluate_generation(model: Any, tokenizer: Any, prompts: list[dict[str, Any]
             }
         )
     return {"score": sum(scores) / len(scores), "n": len(scores), "samples": samples}
+
+
+def generation_before(
+    cfg: RunConfig, model: Any, tokenizer: Any, prompts: list, resuming: bool, device: Any = None
+) -> float | None:
+    """Generation score of the starting model on ``evaluation.dataset`` (None when off or resuming); ``device``:
+    where to move the model first (the preference stages score on the device training will use)."""
+    if not prompts or resuming or not cfg.evaluation.before_training:
+        return None
+    if device is not None:
+        model.to(device)
+    return evaluate_generation(model, tokenizer, prompts, cfg.evaluation)["score"]
+
+
+def generation_after(cfg: RunConfig, model: Any, tokenizer: Any, prompts: list, before: float | None) -> dict:
+    """The same score after training, as ``{name: {before, after, n}}`` for the run summary."""
+    from rlfactory.engine.shared import before_after
+
+    if not prompts:
+        return {}
+    scored = evaluate_generation(model, tokenizer, prompts, cfg.evaluation)
+    return {f"{cfg.evaluation.metric} ({cfg.evaluation.dataset})": before_after(before, scored["score"], scored["n"])}
 
 
 def finish(cfg: RunConfig, result: Any, extra: dict[str, Any]) -> dict[str, Any]:

@@ -190,7 +190,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     kernels = head_kernels(cfg.model, cfg.train)
     ref = setup_reference(cfg, model, traits, item_sets, tokenizer.pad_token_id, kernels)
     common.start_output_dir(cfg, resume_from)
-    before = preference_data.generation_before(cfg, model, tokenizer, eval_prompts, resume_from is not None)
+    before = common.generation_before(
+        cfg, model, tokenizer, eval_prompts, resume_from is not None, preference_data.run_device()
+    )
 
     parts = StageParts(
         train_examples=train_items,
@@ -200,7 +202,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         count_fn=count_pairs,
     )
     result = train(cfg, model, tokenizer, parts, resume_from)
-    extra = preference_data.generation_after(cfg, result.model, tokenizer, eval_prompts, before)
+    extra = common.generation_after(cfg, result.model, tokenizer, eval_prompts, before)
     extra |= preference_data.before_after(
         result.final_dir, "eval_logps/accuracies", PAIR_ACCURACY, len(eval_items or [])
     )

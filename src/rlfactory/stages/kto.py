@@ -209,7 +209,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     model = load_model(cfg.model, cfg.lora, cfg.freeze, torch_compile=cfg.train.torch_compile)
     ref = build_reference(cfg, model)
     common.start_output_dir(cfg, resume_from)
-    before = preference_data.generation_before(cfg, model, tokenizer, eval_prompts, resume_from is not None)
+    before = common.generation_before(
+        cfg, model, tokenizer, eval_prompts, resume_from is not None, preference_data.run_device()
+    )
 
     parts = StageParts(
         train_examples=train_items,
@@ -219,6 +221,6 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         count_fn=count_examples,
     )
     result = train(cfg, model, tokenizer, parts, resume_from)
-    extra = preference_data.generation_after(cfg, result.model, tokenizer, eval_prompts, before)
+    extra = common.generation_after(cfg, result.model, tokenizer, eval_prompts, before)
     extra |= preference_data.before_after(result.final_dir, "eval_rewards/margins", MARGINS, len(eval_items or []))
     return common.finish(cfg, result, extra)

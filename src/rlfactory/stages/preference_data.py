@@ -210,22 +210,7 @@ def before_after(out: str | Path, metric: str, label: str, n: int) -> dict[str, 
     records = [r for r in read_log(out) if metric in r]
     if not records:
         return {}
+    from rlfactory.engine.shared import before_after as entry
+
     before = records[0][metric] if records[0]["step"] == 0 else None
-    return {label: {"before": before, "after": records[-1][metric], "n": n}}
-
-
-def generation_before(cfg: RunConfig, model: Any, tokenizer: Any, prompts: list, resuming: bool) -> float | None:
-    """Generation score of the starting model on ``evaluation.dataset`` (None when off or resuming)."""
-    if not prompts or resuming or not cfg.evaluation.before_training:
-        return None
-    model.to(run_device())
-    return common.evaluate_generation(model, tokenizer, prompts, cfg.evaluation)["score"]
-
-
-def generation_after(cfg: RunConfig, model: Any, tokenizer: Any, prompts: list, before: float | None) -> dict:
-    """The same score after training, as ``{name: {before, after, n}}`` for the run summary."""
-    if not prompts:
-        return {}
-    scored = common.evaluate_generation(model, tokenizer, prompts, cfg.evaluation)
-    key = f"{cfg.evaluation.metric} ({cfg.evaluation.dataset})"
-    return {key: {"before": before, "after": scored["score"], "n": scored["n"]}}
+    return {label: entry(before, records[-1][metric], n)}

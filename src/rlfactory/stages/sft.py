@@ -143,9 +143,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     model = load_model(cfg.model, cfg.lora, cfg.freeze, torch_compile=cfg.train.torch_compile)
     common.start_output_dir(cfg, resume_from)
 
-    scores: dict[str, Any] = {}
-    if eval_prompts and cfg.evaluation.before_training and resume_from is None:
-        scores["before"] = common.evaluate_generation(model, tokenizer, eval_prompts, cfg.evaluation)["score"]
+    before = common.generation_before(cfg, model, tokenizer, eval_prompts, resume_from is not None)
 
     parts = StageParts(
         train_examples=train_items,
@@ -156,12 +154,4 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     )
     result = train(cfg, model, tokenizer, parts, resume_from)
 
-    extra: dict[str, Any] = {}
-    if eval_prompts:
-        after = common.evaluate_generation(result.model, tokenizer, eval_prompts, cfg.evaluation)
-        extra[f"{cfg.evaluation.metric} ({cfg.evaluation.dataset})"] = {
-            "before": scores.get("before"),
-            "after": after["score"],
-            "n": after["n"],
-        }
-    return common.finish(cfg, result, extra)
+    return common.finish(cfg, result, common.generation_after(cfg, result.model, tokenizer, eval_prompts, before))
