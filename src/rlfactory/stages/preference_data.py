@@ -186,9 +186,9 @@ def reference_logps(
 
 def run_device() -> torch.device:
     """This process's device, where Accelerate will place the policy (passes before training run there too)."""
-    from accelerate import PartialState
+    from rlfactory.engine.shared import process_state
 
-    return PartialState().device
+    return process_state().device
 
 
 PAIR_ACCURACY = "eval preference accuracy (policy logp chosen > rejected)"
@@ -212,20 +212,3 @@ def before_after(out: str | Path, metric: str, label: str, n: int) -> dict[str, 
         return {}
     before = records[0][metric] if records[0]["step"] == 0 else None
     return {label: {"before": before, "after": records[-1][metric], "n": n}}
-
-
-def generation_before(cfg: RunConfig, model: Any, tokenizer: Any, prompts: list, resuming: bool) -> float | None:
-    """Generation score of the starting model on ``evaluation.dataset`` (None when off or resuming)."""
-    if not prompts or resuming or not cfg.evaluation.before_training:
-        return None
-    model.to(run_device())
-    return common.evaluate_generation(model, tokenizer, prompts, cfg.evaluation)["score"]
-
-
-def generation_after(cfg: RunConfig, model: Any, tokenizer: Any, prompts: list, before: float | None) -> dict:
-    """The same score after training, as ``{name: {before, after, n}}`` for the run summary."""
-    if not prompts:
-        return {}
-    scored = common.evaluate_generation(model, tokenizer, prompts, cfg.evaluation)
-    key = f"{cfg.evaluation.metric} ({cfg.evaluation.dataset})"
-    return {key: {"before": before, "after": scored["score"], "n": scored["n"]}}

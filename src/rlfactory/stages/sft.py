@@ -143,25 +143,13 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     model = load_model(cfg.model, cfg.lora, cfg.freeze, torch_compile=cfg.train.torch_compile)
     common.start_output_dir(cfg, resume_from)
 
-    scores: dict[str, Any] = {}
-    if eval_prompts and cfg.evaluation.before_training and resume_from is None:
-        scores["before"] = common.evaluate_generation(model, tokenizer, eval_prompts, cfg.evaluation)["score"]
-
     parts = StageParts(
         train_examples=train_items,
         eval_examples=eval_items,
         collate=collate_packed if cfg.data.packing else collate_padded(tokenizer.pad_token_id),
         loss_fn=functools.partial(nll_sum, kernels=head_kernels(cfg.model, cfg.train)),
         count_fn=count_tokens,
+        before_training=common.score_before(cfg, tokenizer, eval_prompts),
     )
     result = train(cfg, model, tokenizer, parts, resume_from)
-
-    extra: dict[str, Any] = {}
-    if eval_prompts:
-        after = common.evaluate_generation(result.model, tokenizer, eval_prompts, cfg.evaluation)
-        extra[f"{cfg.evaluation.metric} ({cfg.evaluation.dataset})"] = {
-            "before": scores.get("before"),
-            "after": after["score"],
-            "n": after["n"],
-        }
-    return common.finish(cfg, result, extra)
+    return common.finish(cfg, result, common.score_after(cfg, result, tokenizer, eval_prompts))
