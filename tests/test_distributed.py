@@ -14,6 +14,7 @@ double-stepped LR schedule or a missing gradient average fails by orders of magn
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -29,7 +30,6 @@ from tests.conftest import DATA_DIR, ROOT, TINY_MODEL, run_cli, write_yaml
 
 from rlfactory.engine.run_dir import read_log
 
-pytestmark = pytest.mark.slow
 REL = 1e-4
 
 
@@ -92,6 +92,7 @@ def sft_reference(tmp_path_factory) -> Path:
     return Path(cfg["output_dir"])
 
 
+@pytest.mark.slow
 def test_sft_self_launched_on_two_processes_matches_one(sft_reference: Path, tmp_path: Path):
     """`rlfactory train run.yaml` with distributed.num_processes: 2 starts torchrun itself; batch 4 x 2 processes
     gives the curve of batch 8 x 1, one log, one model, one summary, the same generation scores."""
@@ -109,6 +110,7 @@ def test_sft_self_launched_on_two_processes_matches_one(sft_reference: Path, tmp
     assert summary[key]["before"] == reference[key]["before"]
 
 
+@pytest.mark.slow
 def test_two_nodes_on_one_machine_match_one_node(sft_reference: Path, tmp_path: Path):
     """Two torchrun "nodes" (--nnodes 2, one process each) at a localhost rendezvous, started by the CLI from the
     distributed section (node_rank given per node on the command line): the same run as one node."""
@@ -142,6 +144,7 @@ def _dpo(tmp_path: Path, name: str, batch: int, accum: int) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_dpo_under_torchrun_matches_one_process(tmp_path: Path):
     """`torchrun -m rlfactory train` (the launcher's processes, no self-launch): pairs 2 x accum 2 x 2 processes
     give the curve of pairs 8 x accum 1 x 1 process; one adapter, one plot."""
@@ -161,6 +164,7 @@ def test_dpo_under_torchrun_matches_one_process(tmp_path: Path):
     assert (b / "adapter_config.json").is_file() and (b / "loss.png").is_file()
 
 
+@pytest.mark.slow
 def test_killed_two_process_run_resumes(sft_reference: Path, tmp_path: Path):
     """kill -9 of a 2-process run (its whole process group) after a checkpoint; `resume_from_checkpoint: auto` on 2
     processes ends with the losses of the uninterrupted run, and so does a resume on 1 process with the same global
@@ -196,6 +200,7 @@ def test_killed_two_process_run_resumes(sft_reference: Path, tmp_path: Path):
     assert refused.returncode == 2 and "global batch" in refused.stderr and "Traceback" not in refused.stderr
 
 
+@pytest.mark.slow
 def test_failed_start_leaves_nothing_that_blocks_the_same_command(sft_config: dict, tmp_path: Path):
     """A run that fails after creating its output dir (here: fewer examples than one optimizer step, found when the
     loop is set up) leaves only run.json and config.yaml; the same command, fixed, then runs without
@@ -215,3 +220,76 @@ def test_failed_start_leaves_nothing_that_blocks_the_same_command(sft_config: di
     assert json.loads((out / "run.json").read_text())["run_id"] != marker  # a new run, a new marker
     again = run_cli("train", str(path), "train.grad_accum_steps=1")
     assert again.returncode == 2 and "already holds a run" in again.stderr
+
+
+# --------------------------------------------------------------------------- the section and the launcher (no run)
+def _validate(**keys):
+    from rlfactory.config.loader import validate_config
+
+    raw = {"stage": "sft", "model": {"name_or_path": str(TINY_MODEL)}, "data": {"dataset": "arith_sft"}, **keys}
+    return validate_config(raw, "run.yaml")
+
+
+@pytest.mark.parametrize(("keys", "fragment"), [
+    ({"distributed": {"num_processes": 0}}, "distributed.num_processes"),
+    ({"distributed": {"nnodes": 2}}, "master_addr and master_port"),
+    ({"distributed": {"nnodes": 2, "node_rank": 2, "master_addr": "a", "master_port": 1}}, "node_rank (2)"),
+    ({"distributed": {"strategy": "zero4"}}, "distributed.strategy"),
+    ({"distributed": {"strategy": "zero3"}, "train": {"deepspeed": "ds.json"}}, "remove one"),
+    ({"stage": "dpo", "data": {"dataset": "arith_pref"}, "model": {"name_or_path": "m", "finetuning": "full"},
+      "distributed": {"strategy": "zero3"}}, "dpo.precompute_ref_logps: true"),
+    ({"stage": "kto", "data": {"dataset": "arith_pref"}, "model": {"name_or_path": "m", "finetuning": "freeze"},
+      "distributed": {"strategy": "fsdp2"}}, "model.finetuning: lora"),
+    ({"stage": "rm", "data": {"dataset": "arith_pref"}, "distributed": {"strategy": "zero3_offload"}}, "stage rm"),
+])
+def test_bad_distributed_settings_are_refused_with_the_key(keys: dict, fragment: str):
+    from rlfactory.errors import UserError
+
+    with pytest.raises(UserError) as error:
+        _validate(**keys)
+    assert fragment in str(error.value)
+
+
+def test_sharded_dpo_with_precomputed_reference_or_lora_is_accepted():
+    full = {"name_or_path": "m", "finetuning": "full"}
+    pref = {"stage": "dpo", "data": {"dataset": "arith_pref"}, "distributed": {"strategy": "zero3"}}
+    assert _validate(**pref, model=full, dpo={"precompute_ref_logps": True}).sharded()
+    assert _validate(**pref, model={"name_or_path": "m"}).sharded()
+
+
+def test_pipeline_stages_share_one_launch():
+    from rlfactory.config.loader import validate_config
+    from rlfactory.errors import UserError
+
+    base = {"stage": "sft", "model": {"name_or_path": "m"}, "data": {"dataset": "arith_sft"}}
+    raw = {"stages": [{**base, "name": "a"}, {**base, "name": "b", "distributed": {"num_processes": 2}}]}
+    with pytest.raises(UserError, match="same distributed section"):
+        validate_config(raw, "pipe.yaml")
+
+
+def test_torchrun_arguments():
+    from rlfactory.config.schema import DistributedConfig
+    from rlfactory.launch import torchrun_argv
+
+    one = torchrun_argv(DistributedConfig(num_processes=4), ["run.yaml", "seed=1"])
+    assert one == ["--standalone", "--nnodes=1", "--nproc_per_node=4", "-m", "rlfactory", "train", "run.yaml", "seed=1"]
+    nodes = DistributedConfig(num_processes=8, nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29500)
+    assert torchrun_argv(nodes, ["r.yaml"])[:4] == [
+        "--nnodes=2", "--node_rank=1", "--master_addr=10.0.0.1", "--master_port=29500"]
+    assert torchrun_argv(DistributedConfig(num_processes="auto"), [])[2] == "--nproc_per_node=1"  # no GPU here
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
+@pytest.mark.parametrize("strategy", ["zero2", "zero3", "zero3_offload"])
+def test_bundled_deepspeed_configs_fill_from_the_run(strategy: str):
+    """Accelerate's DeepSpeedPlugin reads each bundled JSON and fills its "auto" keys from the run's config."""
+    from rlfactory.engine.shared import _strategy_plugins
+
+    cfg = _validate(distributed={"strategy": strategy}, train={"grad_accum_steps": 3, "max_grad_norm": 0.5})
+    plugin = _strategy_plugins(cfg)["deepspeed_plugin"]
+    ds = plugin.deepspeed_config
+    assert ds["zero_optimization"]["stage"] == (2 if strategy == "zero2" else 3)
+    assert ds["gradient_accumulation_steps"] == 3 and ds["gradient_clipping"] == 0.5
+    assert (ds["zero_optimization"].get("offload_param", {}).get("device") == "cpu") == (strategy == "zero3_offload")
+    if strategy != "zero2":
+        assert ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]  # a normal HF directory at the end
