@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.conftest import DATA_DIR, ROOT, TINY_MODEL, run_cli, write_yaml
+import torch
+from tests.conftest import DATA_DIR, ROOT, TINY_MODEL, expect_train_error, run_cli, write_yaml
 
 from rlfactory.engine.run_dir import read_log
 
@@ -282,14 +283,24 @@ def test_torchrun_arguments():
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
 @pytest.mark.parametrize("strategy", ["zero2", "zero3", "zero3_offload"])
 def test_bundled_deepspeed_configs_fill_from_the_run(strategy: str):
-    """Accelerate's DeepSpeedPlugin reads each bundled JSON and fills its "auto" keys from the run's config."""
-    from rlfactory.engine.shared import _strategy_plugins
+    """Accelerate's DeepSpeedPlugin reads each bundled JSON and fills its "auto" keys from the run's config (as
+    build_accelerator passes them; building the Accelerator itself needs GPUs)."""
+    from accelerate import DeepSpeedPlugin
+
+    from rlfactory.engine.shared import deepspeed_config_path
 
     cfg = _validate(distributed={"strategy": strategy}, train={"grad_accum_steps": 3, "max_grad_norm": 0.5})
-    plugin = _strategy_plugins(cfg)["deepspeed_plugin"]
+    plugin = DeepSpeedPlugin(
+        hf_ds_config=deepspeed_config_path(cfg), gradient_accumulation_steps=3, gradient_clipping=0.5)
     ds = plugin.deepspeed_config
     assert ds["zero_optimization"]["stage"] == (2 if strategy == "zero2" else 3)
     assert ds["gradient_accumulation_steps"] == 3 and ds["gradient_clipping"] == 0.5
     assert (ds["zero_optimization"].get("offload_param", {}).get("device") == "cpu") == (strategy == "zero3_offload")
     if strategy != "zero2":
         assert ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]  # a normal HF directory at the end
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only")
+def test_sharded_strategies_are_refused_on_cpu_before_anything_is_written(sft_config: dict, tmp_path: Path):
+    """On CPU Accelerate would quietly run DDP instead of DeepSpeed/FSDP: one message, exit 2, nothing written."""
+    expect_train_error(tmp_path, {**sft_config, "distributed": {"strategy": "zero2"}}, "needs GPUs", "use ddp")

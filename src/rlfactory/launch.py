@@ -50,10 +50,12 @@ def preflight(config: RunConfig | PipelineConfig) -> None:
     """What every process would check before loading a model, done once here: raises UserError."""
     from rlfactory.config.schema import PipelineConfig
     from rlfactory.engine import run_dir
+    from rlfactory.engine.shared import check_strategy
     from rlfactory.stages.check import check_config
 
     check_config(config)
     for run in config.stages if isinstance(config, PipelineConfig) else [config]:
+        check_strategy(run)
         resume_from = run_dir.resolve_resume(run.output_dir, run.resume_from_checkpoint)
         run_dir.check_output_dir(run.output_dir, run.overwrite_output_dir, resume_from)
 

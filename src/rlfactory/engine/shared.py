@@ -61,11 +61,21 @@ def deepspeed_config_path(cfg: RunConfig) -> str | None:
     return None
 
 
+def check_strategy(cfg: RunConfig) -> None:
+    """Accelerate runs DeepSpeed and FSDP only on accelerators: with ``cpu=True`` it would quietly fall back to plain
+    data parallelism, so a CPU machine refuses those strategies."""
+    sharding = cfg.train.deepspeed or cfg.distributed.strategy != "ddp"
+    if sharding and not torch.cuda.is_available():
+        what = "train.deepspeed" if cfg.train.deepspeed else f"distributed.strategy {cfg.distributed.strategy}"
+        raise UserError(f"{what} needs GPUs (Accelerate runs DeepSpeed and FSDP on accelerators only); use ddp on CPU")
+
+
 def _strategy_plugins(cfg: RunConfig) -> dict[str, Any]:
     """Accelerate's plugin for ``distributed.strategy`` (ddp needs none: Accelerate wraps the model in DDP when
     the launcher started several processes)."""
     from accelerate import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 
+    check_strategy(cfg)
     ds_config = deepspeed_config_path(cfg)
     if ds_config is not None:
         # DeepSpeed clips inside its step (accelerator.clip_grad_norm_ is a no-op there): fill "auto" with ours

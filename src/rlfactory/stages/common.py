@@ -19,7 +19,7 @@ from typing import Any
 from rlfactory.config.loader import dump_config
 from rlfactory.config.schema import EvaluationConfig, RunConfig
 from rlfactory.engine import run_dir
-from rlfactory.engine.shared import process_state
+from rlfactory.engine.shared import check_strategy, process_state
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,7 @@ def preflight(cfg: RunConfig) -> Path | None:
     """Checks that need no model: resume target and output dir. Returns the checkpoint to resume."""
     from transformers import set_seed
 
+    check_strategy(cfg)
     resume_from = run_dir.resolve_resume(cfg.output_dir, cfg.resume_from_checkpoint)
     run_dir.check_output_dir(cfg.output_dir, cfg.overwrite_output_dir, resume_from)
     set_seed(cfg.seed)  # before any model is built: LoRA initialisation is random too
