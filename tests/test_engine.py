@@ -186,14 +186,25 @@ def test_eval_metrics_are_means_over_the_whole_eval_set_not_over_batches():
     would say 0.5); the eval loss is the summed loss over the summed units."""
     from accelerate import Accelerator
 
-    from rlfactory.engine.offline import StageParts, evaluate
-
-    batches = [torch.tensor([1.0, 1.0, 1.0]), torch.tensor([0.0])]
+    from rlfactory.engine.offline import StageParts, eval_shard, evaluate
 
     def loss_fn(model, batch):
         return (1 - batch).sum() * 2, {"accuracy": batch.mean()}
 
-    parts = StageParts(batches, None, loss_fn, lambda batch: float(len(batch)))
-    out = evaluate(Accelerator(cpu=True), torch.nn.Linear(1, 1), batches, parts)
+    parts = StageParts([], lambda items: torch.tensor(items), loss_fn, lambda batch: float(len(batch)))
+    shard = eval_shard([1.0, 1.0, 1.0, 0.0], batch_size=3, rank=0, world=1)  # batches of 3 and 1
+    out = evaluate(Accelerator(cpu=True), torch.nn.Linear(1, 1), shard, parts)
     assert out["eval_accuracy"] == pytest.approx(0.75)
     assert out["eval_loss"] == pytest.approx(0.5)
+
+
+def test_eval_shards_cover_every_example_once_and_run_the_same_number_of_batches():
+    """5 batches over 2 processes: 0, 2, 4 and 1, 3 plus a weight-0 repeat, so both run 3 forwards (a sharded
+    forward is collective) and every example counts once."""
+    from rlfactory.engine.offline import eval_shard
+
+    shards = [eval_shard(list(range(10)), batch_size=2, rank=rank, world=2) for rank in (0, 1)]
+    assert [len(shard) for shard in shards] == [3, 3]
+    counted = sorted(x for shard in shards for items, weight in shard if weight for x in items)
+    assert counted == list(range(10))
+    assert shards[1][-1] == ([0, 1], 0.0)

@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("rollout",),
     ("engine",),
     ("stages",),
-    ("cli", "webui", "__main__"),
+    ("cli", "launch", "webui", "__main__"),
 ]
 
 Graph = dict[str, list[tuple[str, int]]]  # module -> [(imported module, line)]

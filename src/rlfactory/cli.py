@@ -19,7 +19,8 @@ EPILOG = """examples:
   rlfactory train examples/quickstart/sft.yaml
   rlfactory train examples/quickstart/sft.yaml train.learning_rate=3e-4 output_dir=outputs/try2
   rlfactory config check examples/sft/qwen2.5_0.5b_lora.yaml
-  accelerate launch --num_processes 4 -m rlfactory train run.yaml      (several GPUs)
+  rlfactory train run.yaml distributed.num_processes=4                 (several GPUs: starts torchrun itself)
+  torchrun --nproc_per_node 4 -m rlfactory train run.yaml              (or accelerate launch -m rlfactory ...)
 """
 
 
@@ -102,10 +103,16 @@ def _setup_logging() -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from rlfactory.config.loader import load_config
-    from rlfactory.stages.pipeline import run_config
+    from rlfactory.launch import close_process_group, maybe_launch
 
     config = load_config(args.config, args.overrides)
+    code = maybe_launch(config, [args.config, *args.overrides])
+    if code is not None:
+        return code
+    from rlfactory.stages.pipeline import run_config
+
     run_config(config)
+    close_process_group()
     return 0
 
 
@@ -194,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handlers[args.command](args)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # several processes: the same input error once, from rank 0
+            print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -8,7 +8,9 @@ is one class; stage-specific sections are accepted only for their stage. The onl
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -177,7 +179,11 @@ class TrainConfig(Section):
     eval_steps: int | None = Field(None, ge=1, description="Evaluate every N steps (and always at the end).")
     save_steps: int | None = Field(None, ge=1, description="Save a resumable checkpoint every N steps.")
     save_total_limit: int | None = Field(2, ge=1, description="Keep only the last K checkpoints.")
-    deepspeed: str | None = Field(None, description="Path to a DeepSpeed JSON config (used via Accelerate).")
+    deepspeed: str | None = Field(
+        None,
+        description='Path to your own DeepSpeed JSON config (used via Accelerate; "auto" values are filled from '
+        "this config). Instead of distributed.strategy zero2/zero3/zero3_offload, whose bundled configs it replaces.",
+    )
 
 
 class LoggingConfig(Section):
@@ -208,6 +214,64 @@ class EvaluationConfig(Section):
     max_new_tokens: int = Field(64, ge=1, description="Generation budget per prompt.")
     batch_size: int = Field(32, ge=1, description="Prompts generated at once.")
     before_training: bool = Field(True, description="Also score the model before training, to show the gain.")
+
+
+STRATEGIES = ("ddp", "zero2", "zero3", "zero3_offload", "fsdp2")
+SHARDED_STRATEGIES = ("zero3", "zero3_offload", "fsdp2")  # no process holds the whole model after prepare
+
+
+class DistributedConfig(Section):
+    """Several processes (GPUs) on one or more nodes. `rlfactory train` starts them itself through torchrun
+    when `num_processes` (or `nnodes`) is above 1; under `torchrun` or `accelerate launch` this section's
+    launch keys are not used (the launcher's processes are). A pipeline is launched once: every stage must
+    have the same section (put it in `defaults`)."""
+
+    num_processes: int | Literal["auto"] = Field(
+        1,
+        description="Processes per node, one per GPU. auto: the number of visible GPUs (1 on CPU). The world "
+        "size is nnodes x num_processes; train.per_device_batch_size is per process.",
+    )
+    strategy: Literal["ddp", "zero2", "zero3", "zero3_offload", "fsdp2"] = Field(
+        "ddp",
+        description="ddp: a full copy per process (DistributedDataParallel). zero2: DeepSpeed ZeRO stage 2 "
+        "(optimizer state and gradients sharded). zero3: ZeRO stage 3 (weights sharded too). zero3_offload: "
+        "zero3 with weights and optimizer state in host memory. fsdp2: PyTorch FSDP2 (fully_shard) through "
+        "Accelerate. The DeepSpeed configs are bundled (rlfactory/engine/deepspeed/*.json; train.deepspeed "
+        "takes your own file instead). zero3, zero3_offload and fsdp2 save a normal Hugging Face directory "
+        "(full weights gathered, or the adapter).",
+    )
+    nnodes: int = Field(1, ge=1, description="Nodes (machines) in the run; run the same command on each.")
+    node_rank: int = Field(
+        0, ge=0, description="This node's index, 0 to nnodes-1 (give it per node: `distributed.node_rank=1`)."
+    )
+    master_addr: str | None = Field(
+        None, description="Address of node 0, reachable from every node. Required when nnodes > 1."
+    )
+    master_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="A free TCP port on node 0 for the rendezvous. Required when nnodes > 1; on one node a free "
+        "port is picked (torchrun --standalone).",
+    )
+
+    @field_validator("num_processes")
+    @classmethod
+    def _positive(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be at least 1 (or auto: one process per visible GPU)")
+        return value
+
+    @model_validator(mode="after")
+    def _nodes(self) -> DistributedConfig:
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank ({self.node_rank}) must be below nnodes ({self.nnodes})")
+        if self.nnodes > 1 and (self.master_addr is None or self.master_port is None):
+            raise ValueError(
+                "nnodes > 1 needs master_addr and master_port (node 0's address and a free port on it), "
+                "the same on every node"
+            )
+        return self
 
 
 # --------------------------------------------------------------------------- stage sections
@@ -292,6 +356,7 @@ class RunConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     rm: RMConfig | None = Field(None, description="Stage rm only.")
     dpo: DPOConfig | None = Field(None, description="Stage dpo only.")
     kto: KTOConfig | None = Field(None, description="Stage kto only.")
@@ -354,9 +419,48 @@ class RunConfig(Section):
                 f"tools: stage {self.stage} trains on recorded conversations; it reads tool schemas from the "
                 "dataset's tools column (columns: {tools: <column>}). Remove `tools:` (it is for ppo/grpo rollouts)"
             )
+        self._distributed_rules()
         if self.dpo is not None and self.dpo.ref_model and self.dpo.loss_type in ("simpo",):
             raise ValueError(f"dpo.loss_type '{self.dpo.loss_type}' is reference-free: remove dpo.ref_model")
         return self
+
+    def sharded(self) -> bool:
+        """No process holds the whole model after prepare (zero3, zero3_offload, fsdp2, or a ZeRO-3 JSON)."""
+        if self.train.deepspeed:
+            try:
+                stage = json.loads(Path(self.train.deepspeed).read_text()).get("zero_optimization", {}).get("stage")
+            except (OSError, ValueError, AttributeError):
+                return False  # build_accelerator reports a missing or bad file
+            return stage == 3
+        return self.distributed.strategy in SHARDED_STRATEGIES
+
+    def _distributed_rules(self) -> None:
+        """The strategy against train.deepspeed, and the dpo/kto reference under a sharded strategy."""
+        if self.train.deepspeed and self.distributed.strategy != "ddp":
+            raise ValueError(
+                f"train.deepspeed ({self.train.deepspeed}) and distributed.strategy {self.distributed.strategy} "
+                "both choose the strategy; remove one (strategy ddp with train.deepspeed uses your file)"
+            )
+        if self.stage == "rm" and self.sharded():
+            raise ValueError(
+                "stage rm under a sharded strategy (zero3, zero3_offload, fsdp2) is not supported yet: its reward head "
+                "is merged into the model after training; use distributed.strategy ddp or zero2"
+            )
+        section = self.dpo or self.kto
+        needs_copy = self.model.finetuning != "lora" or (self.dpo is not None and self.dpo.ref_model)
+        reference_free = self.dpo is not None and self.dpo.loss_type == "simpo"
+        precomputed = self.dpo is not None and self.dpo.precompute_ref_logps
+        if section is not None and needs_copy and not reference_free and not precomputed and self.sharded():
+            fix = (
+                "set dpo.precompute_ref_logps: true (the reference log-probs are computed once before training)"
+                if self.dpo is not None
+                else "use model.finetuning: lora (the reference is the policy with its adapter disabled)"
+            )
+            raise ValueError(
+                f"stage {self.stage} with a frozen reference copy ({self.model.finetuning} fine-tuning"
+                f"{', dpo.ref_model' if self.dpo is not None and self.dpo.ref_model else ''}) under a sharded "
+                f"strategy: every process would hold the whole copy; {fix}, or use distributed.strategy ddp/zero2"
+            )
 
     def _online_rules(self) -> None:
         """ppo/grpo: the estimator default per stage (the one thing the two names choose); online stages batch by
@@ -401,4 +505,11 @@ class PipelineConfig(Section):
                     f"(earlier: {', '.join(seen) or 'none'})"
                 )
             seen.append(name)
+        launch = self.stages[0].distributed
+        for index, run in enumerate(self.stages[1:], start=1):
+            if run.distributed != launch:
+                raise ValueError(
+                    f"stages.{index}.distributed differs from stage 0's: a pipeline is launched once, so every "
+                    "stage needs the same distributed section; put it in `defaults`"
+                )
         return self

@@ -29,6 +29,7 @@ from rlfactory.engine.shared import (
     autocast_forward,
     build_accelerator,
     clip_grad_norm,
+    end_run,
     init_trackers,
     keep_trainable_weights,
     load_checkpoint,
@@ -55,6 +56,9 @@ class StageParts:
     count_fn: Callable[[Batch], Any]  # loss units in a batch (tokens, pairs, ...): a number or a 0-d tensor
     eval_examples: list[dict[str, Any]] | None = None
     extra_state: dict[str, Any] = field(default_factory=dict)
+    # run on the prepared (unwrapped) model before the first step of a fresh run, on every process: the model is
+    # on its device then (under zero3/fsdp2 sharded: every process must take part). Its result is TrainResult.before
+    before_training: Callable[[Any], Any] | None = None
 
 
 @dataclass
@@ -65,6 +69,7 @@ class TrainResult:
     saved_as: str
     last_metrics: dict[str, float]
     eval_metrics: dict[str, float]
+    before: Any = None  # what StageParts.before_training returned (None when resuming or not set)
 
 
 def _batch_tokens(batch: Batch) -> Any:
@@ -89,38 +94,66 @@ class _Meter:
             self.sums[key] = self.sums[key] + value * weight
             self.counts[key] = self.counts[key] + weight
 
-    def pop(self) -> dict[str, float]:
-        out = {k: float(self.sums[k]) / float(self.counts[k]) for k in self.sums}
+    def pop(self, accelerator: Any = None) -> dict[str, float]:
+        """Means since the last pop; with an ``accelerator`` of several processes, over all of them (every process
+        must call it at the same point: the sums and weights are reduced in one collective)."""
+        keys = sorted(self.sums)
+        sums, counts = [float(self.sums[k]) for k in keys], [float(self.counts[k]) for k in keys]
+        if accelerator is not None and accelerator.num_processes > 1 and keys:
+            local = [torch.as_tensor(v, dtype=torch.float32, device=accelerator.device) for v in (*sums, *counts)]
+            merged = accelerator.reduce(torch.stack(local), "sum").tolist()
+            sums, counts = merged[: len(keys)], merged[len(keys) :]
         self.sums.clear()
         self.counts.clear()
+        out = {k: total / count for k, total, count in zip(keys, sums, counts, strict=True) if count}
         return {k: v for k, v in out.items() if not math.isnan(v)}
 
 
-def evaluate(accelerator: Any, model: Any, loader: Any, parts: StageParts) -> dict[str, float]:
-    """Eval loss = summed loss / summed units over the whole eval set; stage metrics weighted by units too."""
+def eval_shard(examples: list[Any], batch_size: int, rank: int, world: int) -> list[tuple[list[Any], float]]:
+    """This process's eval batches with their weights: batches ``rank, rank + world, ...`` of the eval set, padded
+    with weight-0 repeats of the first batch so that every process runs the same number of forwards.
+
+    By hand rather than an Accelerate-prepared loader: Accelerate evens the shards by repeating examples, which
+    a summed loss would count twice (``gather_for_metrics`` drops them, but needs per-example values), and
+    uneven shards would leave ranks waiting in a sharded (zero3/fsdp2) forward. One process: every batch, weight 1.
+    """
+    batches = [examples[i : i + batch_size] for i in range(0, len(examples), batch_size)]
+    mine = [(batch, 1.0) for batch in batches[rank::world]]
+    return mine + [(batches[0], 0.0)] * (math.ceil(len(batches) / world) - len(mine))
+
+
+def evaluate(accelerator: Any, model: Any, shard: list[tuple[list[Any], float]], parts: StageParts) -> dict[str, float]:
+    """Eval loss = summed loss / summed units over the whole eval set (all processes); stage metrics weighted by
+    units too."""
+    from accelerate.utils import send_to_device
+
     model.eval()
     total_loss = torch.zeros((), device=accelerator.device)
     total_count = torch.zeros((), device=accelerator.device)
     meter = _Meter()
     with torch.no_grad():
-        for batch in loader:
+        for items, weight in shard:
+            batch = send_to_device(parts.collate(items), accelerator.device)
             with autocast_forward(accelerator, model):
                 loss_sum, metrics = parts.loss_fn(model, batch)
-            count = parts.count_fn(batch)
-            total_loss += loss_sum.detach().float()
+            count = torch.as_tensor(parts.count_fn(batch), dtype=torch.float32, device=accelerator.device) * weight
+            total_loss += loss_sum.detach().float() * weight
             total_count += count
             meter.add(metrics, weight=count)  # a smaller last batch weighs less: means over the whole eval set
     total_loss = accelerator.reduce(total_loss, "sum")
     total_count = accelerator.reduce(total_count, "sum")
     model.train()
-    out = {f"eval_{k}": v for k, v in meter.pop().items()}
+    out = {f"eval_{k}": v for k, v in meter.pop(accelerator).items()}
     out["eval_loss"] = float(total_loss / total_count.clamp(min=1))
     return out
 
 
-def _steps_per_epoch(num_batches: int, accum: int, n_examples: int, cfg: RunConfig) -> int:
-    """Optimizer steps per epoch; a trailing partial accumulation window is dropped."""
-    steps = num_batches // accum
+def _steps_per_epoch(num_batches: int, accum: int, n_examples: int, cfg: RunConfig, world: int = 1) -> int:
+    """Optimizer steps per epoch over ``num_batches`` micro-batches of the whole loader, shared by ``world``
+    processes; a trailing partial accumulation window is dropped. ceil(ceil(N / B) / W) = ceil(N / (B W)): the
+    same count for every process count with the same global batch (Accelerate completes the last round of
+    batches with the epoch's first examples, as the Hugging Face Trainer does)."""
+    steps = math.ceil(num_batches / world) // accum
     if steps == 0:
         raise UserError(
             f"the training set has {n_examples} examples: fewer than one optimizer step of "
@@ -139,7 +172,7 @@ class _Setup:
     optimizer: Any
     scheduler: Any
     loader: Any
-    eval_loader: Any
+    eval_shard: list[tuple[list[Any], float]] | None
     steps_per_epoch: int
     total_steps: int
 
@@ -153,22 +186,21 @@ def _setup(cfg: RunConfig, model: Any, parts: StageParts) -> _Setup:
     set_seed(cfg.seed)
     batch_size = cfg.train.per_device_batch_size
     loader = DataLoader(parts.train_examples, batch_size=batch_size, shuffle=cfg.data.shuffle, collate_fn=parts.collate)
-    eval_loader = None
+    shard = None
     if parts.eval_examples:
-        eval_loader = DataLoader(parts.eval_examples, batch_size=batch_size, collate_fn=parts.collate)
-    per_process_batches = math.ceil(len(loader) / accelerator.num_processes)
-    steps_per_epoch = _steps_per_epoch(per_process_batches, cfg.train.grad_accum_steps, len(parts.train_examples), cfg)
+        shard = eval_shard(parts.eval_examples, batch_size, accelerator.process_index, accelerator.num_processes)
+    steps_per_epoch = _steps_per_epoch(
+        len(loader), cfg.train.grad_accum_steps, len(parts.train_examples), cfg, accelerator.num_processes
+    )
     total_steps = cfg.train.max_steps or max(1, math.ceil(steps_per_epoch * cfg.train.num_epochs))
     optimizer = make_optimizer(model, cfg.train.learning_rate, cfg.train)
     scheduler = make_scheduler(optimizer, cfg.train, total_steps)
     model, optimizer, loader, scheduler = prepare_model(
         accelerator, model, optimizer, loader, scheduler, torch_compile=cfg.train.torch_compile
     )
-    if eval_loader is not None:
-        eval_loader = accelerator.prepare(eval_loader)
     accelerator.register_save_state_pre_hook(keep_trainable_weights)
     init_trackers(accelerator, cfg)
-    return _Setup(accelerator, model, optimizer, scheduler, loader, eval_loader, steps_per_epoch, total_steps)
+    return _Setup(accelerator, model, optimizer, scheduler, loader, shard, steps_per_epoch, total_steps)
 
 
 def _train_window(s: _Setup, cfg: RunConfig, parts: StageParts, window: list[Batch], meter: _Meter) -> Any:
@@ -203,12 +235,18 @@ def train(cfg: RunConfig, model: Any, tokenizer: Any, parts: StageParts, resume_
 
     s = _setup(cfg, model, parts)
     acc, out, accum = s.accelerator, Path(cfg.output_dir), cfg.train.grad_accum_steps
-    step, epoch, skip_batches = 0, 0, 0
+    global_batch = cfg.train.per_device_batch_size * accum * acc.num_processes
+    step, epoch, skip_batches, before = 0, 0, 0, None
     if resume_from is not None:
         state = load_checkpoint(acc, resume_from, out)
         step, epoch = state["global_step"], state["epoch"]
+        _check_global_batch(state, global_batch, resume_from)
+        # per-process micro-batches already consumed this epoch: step i used examples [i*G, (i+1)*G) of the epoch's
+        # order whatever the process count, so the position is exact for any count with the same global batch G
         skip_batches = (step - epoch * s.steps_per_epoch) * accum
         acc.print(f"resumed from {resume_from} at step {step}")
+    elif parts.before_training is not None:
+        before = parts.before_training(acc.unwrap_model(s.model))
     acc.print(
         f"stage {cfg.stage}: {len(parts.train_examples)} examples, {s.steps_per_epoch} steps/epoch, "
         f"{s.total_steps} steps, batch {cfg.train.per_device_batch_size} x accum {accum} x {acc.num_processes} "
@@ -218,8 +256,8 @@ def train(cfg: RunConfig, model: Any, tokenizer: Any, parts: StageParts, resume_
     bar = tqdm(total=s.total_steps, initial=step, disable=not show, desc=cfg.stage)
     meter, eval_metrics, last_metrics = _Meter(), {}, {}
     clock = _Clock(step)
-    if s.eval_loader is not None and resume_from is None:  # step-0 eval: the baseline the curve starts from
-        log_record(acc, out, {"step": 0, **evaluate(acc, s.model, s.eval_loader, parts)})
+    if s.eval_shard is not None and resume_from is None:  # step-0 eval: the baseline the curve starts from
+        log_record(acc, out, {"step": 0, **evaluate(acc, s.model, s.eval_shard, parts)})
     s.model.train()
     while step < s.total_steps:
         s.loader.set_epoch(epoch)
@@ -230,7 +268,7 @@ def train(cfg: RunConfig, model: Any, tokenizer: Any, parts: StageParts, resume_
             step += 1
             bar.update(1)
             if step % cfg.logging.logging_steps == 0 or step == s.total_steps:
-                last_metrics = meter.pop()
+                last_metrics = meter.pop(acc)
                 record = {
                     "step": step,
                     "epoch": round(step / s.steps_per_epoch, 4),
@@ -240,18 +278,34 @@ def train(cfg: RunConfig, model: Any, tokenizer: Any, parts: StageParts, resume_
                 }
                 log_record(acc, out, record)
                 bar.set_postfix(loss=f"{last_metrics.get('loss', float('nan')):.4f}")
-            if s.eval_loader is not None and cfg.train.eval_steps and step % cfg.train.eval_steps == 0:
-                eval_metrics = evaluate(acc, s.model, s.eval_loader, parts)
+            if s.eval_shard is not None and cfg.train.eval_steps and step % cfg.train.eval_steps == 0:
+                eval_metrics = evaluate(acc, s.model, s.eval_shard, parts)
                 log_record(acc, out, {"step": step, **eval_metrics})
             if cfg.train.save_steps and step % cfg.train.save_steps == 0 and step < s.total_steps:
-                save_checkpoint(acc, out, step, {"epoch": epoch}, cfg.train.save_total_limit)
+                state = {"epoch": epoch, "global_batch": global_batch, "num_processes": acc.num_processes}
+                save_checkpoint(acc, out, step, state, cfg.train.save_total_limit)
         if step - epoch * s.steps_per_epoch >= s.steps_per_epoch:
             epoch += 1
     bar.close()
-    if s.eval_loader is not None and not (cfg.train.eval_steps and step % cfg.train.eval_steps == 0):
-        eval_metrics = evaluate(acc, s.model, s.eval_loader, parts)
+    if s.eval_shard is not None and not (cfg.train.eval_steps and step % cfg.train.eval_steps == 0):
+        eval_metrics = evaluate(acc, s.model, s.eval_shard, parts)
         log_record(acc, out, {"step": step, **eval_metrics})
-    return _finish(acc, cfg, s.model, tokenizer, out, step, last_metrics, eval_metrics)
+    result = _finish(acc, cfg, s.model, tokenizer, out, step, last_metrics, eval_metrics)
+    result.before = before
+    return result
+
+
+def _check_global_batch(state: dict[str, Any], global_batch: int, path: Path) -> None:
+    """A checkpoint resumes with another process count only with the same global batch: then every step holds the
+    same examples, and the step count and LR schedule stay those of the run that wrote it."""
+    saved = state.get("global_batch")  # absent in checkpoints written before several processes were supported
+    if saved is not None and saved != global_batch:
+        raise UserError(
+            f"resume_from_checkpoint: {path} was written with a global batch of {saved} examples per step "
+            f"({state.get('num_processes', '?')} process(es)); this run has {global_batch} "
+            "(train.per_device_batch_size x train.grad_accum_steps x processes): keep it the same, e.g. double "
+            "per_device_batch_size or grad_accum_steps when halving the processes"
+        )
 
 
 class _Clock:
@@ -283,13 +337,19 @@ def _finish(
     eval_metrics: dict[str, float],
 ) -> TrainResult:
     from rlfactory.model.loader import save_model
+    from rlfactory.model.reference import is_peft
 
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
-    saved_as = "full"
+    # every process takes part: under zero3 / fsdp2 this gathers the full weights (to the main process, on the host);
+    # otherwise it is the unwrapped model's own state dict
+    state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        saved_as = save_model(unwrapped, tokenizer, out)
+        save_model(unwrapped, tokenizer, out, state_dict=state_dict)
         if cfg.logging.plot_loss:
             run_dir.plot_log(out)
-    accelerator.end_training()
+    del state_dict
+    accelerator.wait_for_everyone()
+    end_run(accelerator)
+    saved_as = "adapter" if is_peft(unwrapped) else "full"  # every process returns the same summary
     return TrainResult(step, unwrapped, out, saved_as, last_metrics, eval_metrics)

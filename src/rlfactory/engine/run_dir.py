@@ -5,6 +5,10 @@ run starts. ``overwrite_output_dir`` deletes only a directory that holds this ma
 written by an older rlfactory (no marker yet, but a ``config.yaml`` with a ``stage`` key next to a
 ``trainer_log.jsonl`` or a ``checkpoint-*`` folder). Anything else is refused, and so is an output_dir
 that is the working directory, the home directory, a project root or a parent of one of them.
+
+A run that never trained a step (it failed while loading data or the model, or crashed before its first step)
+leaves only our own start files behind (``run.json``, ``config.yaml``, a log without a trained step): such a
+folder does not count as a run, and the same command may start again in it without overwrite_output_dir.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ CHECKPOINT_PREFIX = "checkpoint-"
 LOG_FILE = "trainer_log.jsonl"
 RUN_MARKERS = ("config.yaml", LOG_FILE)
 MARKER_FILE = "run.json"
+START_FILES = {MARKER_FILE, "config.yaml", LOG_FILE}  # all a run writes before its first step
 PROJECT_FILES = ("pyproject.toml", ".git")
 
 
@@ -124,8 +129,13 @@ def check_output_dir(output_dir: str, overwrite: bool, resume_from: Path | None)
     folder = Path(output_dir)
     if folder.exists() and not folder.is_dir():
         raise UserError(f"output_dir '{output_dir}' is a file; choose a directory")
-    holds_run = folder.is_dir() and (
-        any((folder / marker).exists() for marker in RUN_MARKERS) or bool(list(folder.glob(f"{CHECKPOINT_PREFIX}*")))
+    holds_run = (
+        folder.is_dir()
+        and not never_trained(folder)
+        and (
+            any((folder / marker).exists() for marker in RUN_MARKERS)
+            or bool(list(folder.glob(f"{CHECKPOINT_PREFIX}*")))
+        )
     )
     if holds_run and not overwrite and resume_from is None:
         raise UserError(
@@ -136,14 +146,29 @@ def check_output_dir(output_dir: str, overwrite: bool, resume_from: Path | None)
         _check_deletable(output_dir)
 
 
+def never_trained(folder: Path) -> bool:
+    """``folder`` holds only what one of our runs writes before its first step: our marker, with at most
+    config.yaml and a trainer_log.jsonl without a trained step (a step-0 eval line is not one)."""
+    if not has_marker(folder) or any(p.name not in START_FILES for p in folder.iterdir()):
+        return False
+    try:
+        return not any("loss" in record for record in read_log(folder) if record.get("step", 0) > 0)
+    except ValueError:  # a log line cut by a kill: it was writing, so it may have trained
+        return False
+
+
 def prepare_output_dir(output_dir: str, overwrite: bool, resume_from: Path | None) -> Path:
     """Create (or wipe, when overwriting and not resuming) the output dir and mark it as a run.
-    Call after all checks; the deletion rules are checked again here, right before deleting."""
+    Call after all checks; the deletion rules are checked again here, right before deleting. What a run that
+    never trained left behind is removed first (a new run, a new marker)."""
     folder = Path(output_dir)
     if overwrite and resume_from is None and folder.exists():
         check_output_location(output_dir)
         _check_deletable(output_dir)
         shutil.rmtree(folder)
+    elif resume_from is None and folder.is_dir() and not folder.is_symlink() and never_trained(folder):
+        for name in START_FILES:
+            (folder / name).unlink(missing_ok=True)
     folder.mkdir(parents=True, exist_ok=True)
     write_marker(folder)
     return folder

@@ -28,28 +28,84 @@ if TYPE_CHECKING:
 STATE_FILE = "trainer_state.json"  # written last into a checkpoint: a folder without it is incomplete
 
 
+def process_state() -> Any:
+    """Accelerate's ``PartialState`` of this process (rank, device, barriers), the same object the run's Accelerator
+    uses. ``cpu`` as build_accelerator passes it: without it, processes launched on a machine without a GPU would
+    each see a world of one."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=not torch.cuda.is_available())
+
+
 def _mixed_precision(choice: str) -> str:
     if choice != "auto":
         return choice
     return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
 
 
+DEEPSPEED_CONFIGS = Path(__file__).parent / "deepspeed"  # zero2.json, zero3.json, zero3_offload.json ("auto" values)
+
+
+def deepspeed_config_path(cfg: RunConfig) -> str | None:
+    """The DeepSpeed JSON of the run: ``train.deepspeed``, or the bundled one of a ``zero*`` strategy."""
+    if cfg.train.deepspeed:
+        if not Path(cfg.train.deepspeed).is_file():
+            raise UserError(f"train.deepspeed: file '{cfg.train.deepspeed}' does not exist")
+        return cfg.train.deepspeed
+    if cfg.distributed.strategy.startswith("zero"):
+        if importlib.util.find_spec("deepspeed") is None:
+            raise UserError(
+                f"distributed.strategy {cfg.distributed.strategy} needs DeepSpeed: pip install 'rlfactory[deepspeed]'"
+            )
+        return str(DEEPSPEED_CONFIGS / f"{cfg.distributed.strategy}.json")
+    return None
+
+
+def check_strategy(cfg: RunConfig) -> None:
+    """Accelerate runs DeepSpeed and FSDP only on accelerators: with ``cpu=True`` it would quietly fall back to plain
+    data parallelism, so a CPU machine refuses those strategies."""
+    sharding = cfg.train.deepspeed or cfg.distributed.strategy != "ddp"
+    if sharding and not torch.cuda.is_available():
+        what = "train.deepspeed" if cfg.train.deepspeed else f"distributed.strategy {cfg.distributed.strategy}"
+        raise UserError(f"{what} needs GPUs (Accelerate runs DeepSpeed and FSDP on accelerators only); use ddp on CPU")
+
+
+def _strategy_plugins(cfg: RunConfig) -> dict[str, Any]:
+    """Accelerate's plugin for ``distributed.strategy`` (ddp needs none: Accelerate wraps the model in DDP when
+    the launcher started several processes)."""
+    from accelerate import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+
+    check_strategy(cfg)
+    ds_config = deepspeed_config_path(cfg)
+    if ds_config is not None:
+        # DeepSpeed clips inside its step (accelerator.clip_grad_norm_ is a no-op there): fill "auto" with ours
+        plugin = DeepSpeedPlugin(
+            hf_ds_config=ds_config,
+            gradient_accumulation_steps=cfg.train.grad_accum_steps,
+            gradient_clipping=cfg.train.max_grad_norm or 0.0,
+        )
+        return {"deepspeed_plugin": plugin}
+    if cfg.distributed.strategy == "fsdp2":
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2,
+            auto_wrap_policy="transformer_based_wrap",  # one shard group per decoder layer (model._no_split_modules)
+            reshard_after_forward=True,
+            state_dict_type="SHARDED_STATE_DICT",  # checkpoints: each rank writes its shard (torch DCP)
+            cpu_ram_efficient_loading=False,  # every rank loaded the model itself before prepare
+        )
+        return {"fsdp_plugin": plugin}
+    return {}
+
+
 def build_accelerator(cfg: RunConfig) -> Accelerator:
-    """The run's Accelerator: mixed precision, gradient accumulation, DeepSpeed and trackers from the config."""
-    from accelerate import Accelerator, DeepSpeedPlugin
+    """The run's Accelerator: mixed precision, gradient accumulation, the distributed strategy and trackers."""
+    from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
 
     trackers = [t for t in cfg.logging.report_to if t != "none"]
     for tracker in trackers:
         if importlib.util.find_spec("tensorboard" if tracker == "tensorboard" else tracker) is None:
             raise UserError(f"logging.report_to: {tracker} is not installed; `pip install {tracker}` or remove it")
-    plugin = None
-    if cfg.train.deepspeed:
-        if not Path(cfg.train.deepspeed).is_file():
-            raise UserError(f"train.deepspeed: file '{cfg.train.deepspeed}' does not exist")
-        plugin = DeepSpeedPlugin(
-            hf_ds_config=cfg.train.deepspeed, gradient_accumulation_steps=cfg.train.grad_accum_steps
-        )
     return Accelerator(
         mixed_precision=_mixed_precision(cfg.train.mixed_precision),
         # windows never span epochs (see the offline loop's _steps_per_epoch), so Accelerate's counter stays aligned
@@ -57,10 +113,13 @@ def build_accelerator(cfg: RunConfig) -> Accelerator:
             num_steps=cfg.train.grad_accum_steps, sync_with_dataloader=False
         ),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-        deepspeed_plugin=plugin,
         log_with=trackers or None,
+        # our schedule counts optimizer steps of the global batch: one scheduler step per optimizer step (Accelerate
+        # would otherwise step it once per process, for schedules written in one process's batches)
+        step_scheduler_with_optimizer=False,
         project_dir=cfg.output_dir,
         cpu=not torch.cuda.is_available(),
+        **_strategy_plugins(cfg),
     )
 
 
@@ -110,7 +169,13 @@ def prepare_model(accelerator: Accelerator, model: Any, *others: Any, torch_comp
         logging.getLogger(__name__).info("torch.compile: %d layers", compile_layers(model))
     prepared = accelerator.prepare(model, *others)
     prepared = prepared if isinstance(prepared, tuple) else (prepared,)
-    accelerator.unwrap_model(prepared[0], keep_fp32_wrapper=False)
+    unwrapped = accelerator.unwrap_model(prepared[0], keep_fp32_wrapper=False)
+    if accelerator.is_fsdp2:
+        # transformers' generate keeps the processes stepping together (synced_gpus: each FSDP2 forward gathers
+        # weights from all of them) for modules carrying the flag its own fully_shard path sets; Accelerate's doesn't
+        for module in unwrapped.modules():
+            if hasattr(module, "generate"):
+                module._is_fsdp_managed_module = True
     return prepared
 
 
@@ -157,6 +222,18 @@ def clip_grad_norm(accelerator: Accelerator, model: Any, max_norm: float | None)
     return torch.stack([p.grad.detach().float().norm() for p in params]).norm()
 
 
+def end_run(accelerator: Accelerator) -> None:
+    """What ``end_training`` does but for the process group, which stays up: the stage still evaluates and a pipeline
+    runs its next stage on the same processes (the CLI closes it at the end). And forget a ZeRO-3 config:
+    transformers would otherwise load the models of a pipeline's next stage partitioned (zero.Init)."""
+    for tracker in accelerator.trackers:
+        tracker.finish()
+    if accelerator.distributed_type == "DEEPSPEED":
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+
+
 def keep_trainable_weights(models: list[Any], weights: list[dict], _output_dir: str) -> None:
     """save_state pre-hook: a checkpoint holds trainable tensors only (a LoRA run saves adapters, not bases)."""
     for model, state in zip(models, weights, strict=False):
@@ -184,7 +261,9 @@ def load_checkpoint(accelerator: Accelerator, path: Path, out: Path) -> dict[str
     legacy = path / "online_state.json"  # online checkpoints written before the shared engine kept the loop state apart
     if legacy.is_file():
         state.update(json.loads(legacy.read_text()))
-    run_dir.truncate_log(out, state["global_step"])
+    if accelerator.is_main_process:
+        run_dir.truncate_log(out, state["global_step"])
+    accelerator.wait_for_everyone()
     return state
 
 

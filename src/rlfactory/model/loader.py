@@ -218,8 +218,11 @@ def apply_freeze(model: Any, freeze: FreezeConfig) -> None:
         param.requires_grad = any(k in name for k in keep) or any(m in name for m in freeze.extra_modules)
 
 
-def save_model(model: Any, tokenizer: Any, output_dir: str | Path) -> str:
-    """Save a normal HF directory: the adapter for LoRA, the full weights otherwise; returns its kind."""
-    model.save_pretrained(str(output_dir), safe_serialization=True)
+def save_model(model: Any, tokenizer: Any, output_dir: str | Path, state_dict: dict | None = None) -> str:
+    """Save a normal HF directory: the adapter for LoRA, the full weights otherwise; returns its kind.
+
+    ``state_dict``: the full weights gathered by ``accelerator.get_state_dict`` when the model itself holds only a
+    shard (zero3, fsdp2); PEFT picks the adapter's tensors out of it."""
+    model.save_pretrained(str(output_dir), safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(str(output_dir))
     return "adapter" if hasattr(model, "peft_config") else "full"

@@ -1,17 +1,25 @@
 """Wiring shared by the stages: checks before anything is written, the output dir, generation eval,
-and the closing summary. Each stage module reads top to bottom and calls these."""
+and the closing summary. Each stage module reads top to bottom and calls these.
+
+Several processes: every process runs the stage; the main process alone writes (output dir, config.yaml,
+run.json, run_summary.json, the printed summary), the others wait for it where they would read what it wrote.
+The generation-based evaluation is sharded over the processes and gathered, so all of them return the same score.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rlfactory.config.loader import dump_config
 from rlfactory.config.schema import EvaluationConfig, RunConfig
 from rlfactory.engine import run_dir
+from rlfactory.engine.shared import check_strategy, process_state
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +28,7 @@ def preflight(cfg: RunConfig) -> Path | None:
     """Checks that need no model: resume target and output dir. Returns the checkpoint to resume."""
     from transformers import set_seed
 
+    check_strategy(cfg)
     resume_from = run_dir.resolve_resume(cfg.output_dir, cfg.resume_from_checkpoint)
     run_dir.check_output_dir(cfg.output_dir, cfg.overwrite_output_dir, resume_from)
     set_seed(cfg.seed)  # before any model is built: LoRA initialisation is random too
@@ -27,10 +36,15 @@ def preflight(cfg: RunConfig) -> Path | None:
 
 
 def start_output_dir(cfg: RunConfig, resume_from: Path | None) -> Path:
-    """Create the output dir (all checks passed) and save the resolved config in it."""
-    out = run_dir.prepare_output_dir(cfg.output_dir, cfg.overwrite_output_dir, resume_from)
-    (out / "config.yaml").write_text(dump_config(cfg))
-    return out
+    """Create the output dir (all checks passed) and save the resolved config in it: the main process, after every
+    process has run its checks on the untouched folder (an overwrite's rmtree happens once, before anyone writes)."""
+    state = process_state()
+    state.wait_for_everyone()
+    if state.is_main_process:
+        out = run_dir.prepare_output_dir(cfg.output_dir, cfg.overwrite_output_dir, resume_from)
+        (out / "config.yaml").write_text(dump_config(cfg))
+    state.wait_for_everyone()
+    return Path(cfg.output_dir)
 
 
 def split_eval(examples: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
@@ -57,52 +71,61 @@ def load_eval_prompts(cfg: RunConfig) -> list[dict[str, Any]]:
 
 
 def evaluate_generation(model: Any, tokenizer: Any, prompts: list[dict[str, Any]], ev: EvaluationConfig) -> dict:
-    """Greedy generation on held-out prompts, scored by a reward function (mean score = accuracy)."""
+    """Greedy generation on held-out prompts, scored by a reward function (mean score = accuracy).
+
+    Several processes: call it on every process with the same prompts and the model on its device. Each process
+    generates a contiguous share, padded with repeats of the first prompt so every process makes the same
+    ``generate`` calls (under zero3 / fsdp2 every forward is collective: transformers' ``synced_gpus`` keeps the
+    processes stepping together inside a call); the scores are gathered, so every process returns the same result.
+    """
+    from accelerate.utils import gather_object
+
     from rlfactory.render.chat import render_prompt
     from rlfactory.rewards.builtin import metric_score
     from rlfactory.rollout.hf import generate_ids
 
-    prompt_ids = [render_prompt(tokenizer, ex["messages"], ex.get("tools")) for ex in prompts]
-    outputs = generate_ids(model, tokenizer, prompt_ids, ev.max_new_tokens, batch_size=ev.batch_size)
-    scores, samples = [], []
-    for example, ids, out in zip(prompts, prompt_ids, outputs, strict=True):
+    state = process_state()
+    share = math.ceil(len(prompts) / state.num_processes)
+    mine = list(range(len(prompts)))[state.process_index * share : (state.process_index + 1) * share]
+    prompt_ids = [render_prompt(tokenizer, prompts[i]["messages"], prompts[i].get("tools")) for i in mine]
+    padding = [render_prompt(tokenizer, prompts[0]["messages"], prompts[0].get("tools"))] * (share - len(mine))
+    outputs = generate_ids(model, tokenizer, prompt_ids + padding, ev.max_new_tokens, batch_size=ev.batch_size)
+    samples = []
+    for index, ids, out in zip(mine, prompt_ids, outputs, strict=False):
+        example = prompts[index]
         completion = tokenizer.decode(out, skip_special_tokens=True)
-        scores.append(metric_score(ev.metric, tokenizer.decode(ids), completion, example.get("answer"), example))
-        samples.append(
-            {
-                "prompt": example["messages"][-1]["content"],
-                "completion": completion,
-                "answer": example.get("answer"),
-                "score": scores[-1],
-            }
-        )
+        score = metric_score(ev.metric, tokenizer.decode(ids), completion, example.get("answer"), example)
+        prompt = example["messages"][-1]["content"]
+        samples.append({"prompt": prompt, "completion": completion, "answer": example.get("answer"), "score": score})
+    if state.num_processes > 1:
+        samples = gather_object(samples)  # in process order: the prompts' order
+    scores = [sample["score"] for sample in samples]
     return {"score": sum(scores) / len(scores), "n": len(scores), "samples": samples}
 
 
-def generation_before(
-    cfg: RunConfig, model: Any, tokenizer: Any, prompts: list, resuming: bool, device: Any = None
-) -> float | None:
-    """Generation score of the starting model on ``evaluation.dataset`` (None when off or resuming); ``device``:
-    where to move the model first (the preference stages score on the device training will use)."""
-    if not prompts or resuming or not cfg.evaluation.before_training:
+def score_before(cfg: RunConfig, tokenizer: Any, prompts: list[dict[str, Any]]) -> Callable[[Any], float] | None:
+    """``StageParts.before_training``: the generation score of the starting model, run by the engine on the prepared
+    model (on its device, per process) before the first step; None when there is nothing to score."""
+    if not prompts or not cfg.evaluation.before_training:
         return None
-    if device is not None:
-        model.to(device)
-    return evaluate_generation(model, tokenizer, prompts, cfg.evaluation)["score"]
+    return lambda model: evaluate_generation(model, tokenizer, prompts, cfg.evaluation)["score"]
 
 
-def generation_after(cfg: RunConfig, model: Any, tokenizer: Any, prompts: list, before: float | None) -> dict:
-    """The same score after training, as ``{name: {before, after, n}}`` for the run summary."""
-    from rlfactory.engine.shared import before_after
-
+def score_after(cfg: RunConfig, result: Any, tokenizer: Any, prompts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The same score after training, next to the one before, as ``{name: {before, after, n}}`` for the summary."""
     if not prompts:
         return {}
-    scored = evaluate_generation(model, tokenizer, prompts, cfg.evaluation)
-    return {f"{cfg.evaluation.metric} ({cfg.evaluation.dataset})": before_after(before, scored["score"], scored["n"])}
+    from rlfactory.engine.shared import before_after
+
+    scored = evaluate_generation(result.model, tokenizer, prompts, cfg.evaluation)
+    return {
+        f"{cfg.evaluation.metric} ({cfg.evaluation.dataset})": before_after(result.before, scored["score"], scored["n"])
+    }
 
 
 def finish(cfg: RunConfig, result: Any, extra: dict[str, Any]) -> dict[str, Any]:
-    """Write run_summary.json and print where the model went and what it scored."""
+    """Write run_summary.json and print where the model went and what it scored (the main process); every process
+    returns the summary."""
     summary = {
         "stage": cfg.stage,
         "output_dir": str(result.final_dir),
@@ -112,6 +135,8 @@ def finish(cfg: RunConfig, result: Any, extra: dict[str, Any]) -> dict[str, Any]
         "eval": result.eval_metrics,
         **extra,
     }
+    if not process_state().is_main_process:
+        return summary
     Path(result.final_dir, "run_summary.json").write_text(json.dumps(summary, indent=2))
     lines = [f"saved {result.saved_as} model to {result.final_dir}"]
     if "eval_loss" in result.eval_metrics:

@@ -190,9 +190,6 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     kernels = head_kernels(cfg.model, cfg.train)
     ref = setup_reference(cfg, model, traits, item_sets, tokenizer.pad_token_id, kernels)
     common.start_output_dir(cfg, resume_from)
-    before = common.generation_before(
-        cfg, model, tokenizer, eval_prompts, resume_from is not None, preference_data.run_device()
-    )
 
     parts = StageParts(
         train_examples=train_items,
@@ -200,9 +197,10 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         collate=collate_pairs(tokenizer.pad_token_id),
         loss_fn=make_loss(cfg.dpo, loss, traits, ref, kernels),
         count_fn=count_pairs,
+        before_training=common.score_before(cfg, tokenizer, eval_prompts),
     )
     result = train(cfg, model, tokenizer, parts, resume_from)
-    extra = common.generation_after(cfg, result.model, tokenizer, eval_prompts, before)
+    extra = common.score_after(cfg, result, tokenizer, eval_prompts)
     extra |= preference_data.before_after(
         result.final_dir, "eval_logps/accuracies", PAIR_ACCURACY, len(eval_items or [])
     )

@@ -209,9 +209,6 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     model = load_model(cfg.model, cfg.lora, cfg.freeze, torch_compile=cfg.train.torch_compile)
     ref = build_reference(cfg, model)
     common.start_output_dir(cfg, resume_from)
-    before = common.generation_before(
-        cfg, model, tokenizer, eval_prompts, resume_from is not None, preference_data.run_device()
-    )
 
     parts = StageParts(
         train_examples=train_items,
@@ -219,8 +216,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         collate=collate_unpaired(tokenizer.pad_token_id, cfg.data.cutoff_len),
         loss_fn=make_loss(cfg.kto, ref, head_kernels(cfg.model, cfg.train)),
         count_fn=count_examples,
+        before_training=common.score_before(cfg, tokenizer, eval_prompts),
     )
     result = train(cfg, model, tokenizer, parts, resume_from)
-    extra = common.generation_after(cfg, result.model, tokenizer, eval_prompts, before)
+    extra = common.score_after(cfg, result, tokenizer, eval_prompts)
     extra |= preference_data.before_after(result.final_dir, "eval_rewards/margins", MARGINS, len(eval_items or []))
     return common.finish(cfg, result, extra)

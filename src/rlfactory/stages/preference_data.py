@@ -186,9 +186,9 @@ def reference_logps(
 
 def run_device() -> torch.device:
     """This process's device, where Accelerate will place the policy (passes before training run there too)."""
-    from accelerate import PartialState
+    from rlfactory.engine.shared import process_state
 
-    return PartialState().device
+    return process_state().device
 
 
 PAIR_ACCURACY = "eval preference accuracy (policy logp chosen > rejected)"

@@ -77,8 +77,7 @@ def make_loss(section: RMConfig) -> Callable[[Any, Batch], tuple[torch.Tensor, d
 
 
 def run(cfg: RunConfig) -> dict[str, Any]:
-    from accelerate import PartialState
-
+    from rlfactory.engine.shared import process_state
     from rlfactory.model.heads import load_reward_model_for_training, merge_reward_model, save_reward_model
     from rlfactory.model.loader import load_tokenizer
 
@@ -103,7 +102,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     )
     result = train(cfg, model, tokenizer, parts, resume_from)
     merged = merge_reward_model(result.model)
-    if PartialState().is_main_process:
+    if process_state().is_main_process:
         save_reward_model(merged, tokenizer, result.final_dir)
     result = dataclasses.replace(result, model=merged, saved_as="full")
     extra = preference_data.before_after(result.final_dir, "eval_accuracy", HELDOUT, len(eval_items or []))

@@ -143,15 +143,13 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     model = load_model(cfg.model, cfg.lora, cfg.freeze, torch_compile=cfg.train.torch_compile)
     common.start_output_dir(cfg, resume_from)
 
-    before = common.generation_before(cfg, model, tokenizer, eval_prompts, resume_from is not None)
-
     parts = StageParts(
         train_examples=train_items,
         eval_examples=eval_items,
         collate=collate_packed if cfg.data.packing else collate_padded(tokenizer.pad_token_id),
         loss_fn=functools.partial(nll_sum, kernels=head_kernels(cfg.model, cfg.train)),
         count_fn=count_tokens,
+        before_training=common.score_before(cfg, tokenizer, eval_prompts),
     )
     result = train(cfg, model, tokenizer, parts, resume_from)
-
-    return common.finish(cfg, result, common.generation_after(cfg, result.model, tokenizer, eval_prompts, before))
+    return common.finish(cfg, result, common.score_after(cfg, result, tokenizer, eval_prompts))

@@ -1,0 +1,95 @@
+"""``rlfactory train`` on several processes: start them through torchrun, as LLaMA-Factory's CLI does.
+
+With ``distributed.num_processes`` (or ``nnodes``) above 1, the command re-runs itself under
+``torch.distributed.run`` (the library behind ``torchrun``): one ``python -m rlfactory train <same arguments>``
+per process, each of which finds ``WORLD_SIZE`` set and trains (Accelerate reads the launcher's environment).
+Inside a launched process (``torchrun -m rlfactory train``, ``accelerate launch -m rlfactory train``) nothing is
+started: the launcher's processes are used as they are. One node: ``--standalone`` (a free local port). Several
+nodes: a static rendezvous at ``master_addr:master_port`` with this node's ``node_rank``; the same command runs on
+every node.
+
+Checks that need no model (config, datasets, tokenizer, output dirs) run here once, before any process starts,
+so bad input gives one message and exit code 2.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from rlfactory.errors import UserError
+
+if TYPE_CHECKING:
+    from rlfactory.config.schema import DistributedConfig, PipelineConfig, RunConfig
+
+
+def inside_launcher() -> bool:
+    """This process was started by torchrun / accelerate launch (or a cluster launcher that sets the same)."""
+    return "WORLD_SIZE" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def num_processes(dist: DistributedConfig) -> int:
+    """Processes on this node: the number given, or for ``auto`` the visible GPUs (1 without any)."""
+    if dist.num_processes != "auto":
+        return int(dist.num_processes)
+    import torch
+
+    return max(1, torch.cuda.device_count())
+
+
+def torchrun_argv(dist: DistributedConfig, train_args: list[str]) -> list[str]:
+    """The arguments of ``torchrun`` that start ``python -m rlfactory train <train_args>`` on this node."""
+    nodes = ["--standalone", "--nnodes=1"]
+    if dist.nnodes > 1 or dist.master_port is not None:
+        nodes = [f"--nnodes={dist.nnodes}", f"--node_rank={dist.node_rank}"]
+        nodes += [f"--master_addr={dist.master_addr or '127.0.0.1'}", f"--master_port={dist.master_port}"]
+    return [*nodes, f"--nproc_per_node={num_processes(dist)}", "-m", "rlfactory", "train", *train_args]
+
+
+def preflight(config: RunConfig | PipelineConfig) -> None:
+    """What every process would check before loading a model, done once here: raises UserError."""
+    from rlfactory.config.schema import PipelineConfig
+    from rlfactory.engine import run_dir
+    from rlfactory.engine.shared import check_strategy
+    from rlfactory.stages.check import check_config
+
+    check_config(config)
+    for run in config.stages if isinstance(config, PipelineConfig) else [config]:
+        check_strategy(run)
+        resume_from = run_dir.resolve_resume(run.output_dir, run.resume_from_checkpoint)
+        run_dir.check_output_dir(run.output_dir, run.overwrite_output_dir, resume_from)
+
+
+def close_process_group() -> None:
+    """At the end of a launched run (all stages done): leave the process group cleanly."""
+    import sys
+
+    torch = sys.modules.get("torch")  # not imported: nothing was set up
+    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def maybe_launch(config: RunConfig | PipelineConfig, train_args: list[str]) -> int | None:
+    """Start the run's processes and return their exit code, or None when this process should train itself."""
+    from rlfactory.config.schema import PipelineConfig
+
+    dist = config.stages[0].distributed if isinstance(config, PipelineConfig) else config.distributed
+    if inside_launcher() or num_processes(dist) * dist.nnodes == 1:
+        return None
+    preflight(config)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    argv = torchrun_argv(dist, train_args)
+    print(f"launching: torchrun {' '.join(argv)}", flush=True)
+    try:
+        run(get_args_parser().parse_args(argv))
+    except ChildFailedError as exc:
+        # the processes printed their own errors (a UserError once, from rank 0): only the exit code is passed on
+        codes = [failure.exitcode for failure in exc.failures.values()]
+        return 2 if 2 in codes else max(1, *codes)
+    except KeyboardInterrupt:
+        return 130
+    except RuntimeError as exc:  # e.g. the rendezvous timed out waiting for the other nodes
+        raise UserError(f"distributed: the processes could not start together: {str(exc).splitlines()[0]}") from None
+    return 0
