@@ -271,7 +271,7 @@ def _finish(run: Run, last: dict, before: dict | None, after: dict | None) -> tu
         save_value_model(accelerator.unwrap_model(run.critic.model), run.out / "critic")
     if cfg.logging.plot_loss:
         run_dir.plot_log(run.out, ("loss", "score/mean", "val/score"))
-    accelerator.end_training()
+    shared.end_run(accelerator)
     run.rollouts.close()
     extra: dict[str, Any] = {}
     if after is not None:
