@@ -12,7 +12,7 @@ import torch
 from tests.conftest import DATA_DIR, TINY_MODEL, expect_train_error, run_cli, write_yaml
 
 from rlfactory.config.schema import AlgorithmConfig
-from rlfactory.engine.online.update import actor_loss_fn, policy_forward
+from rlfactory.engine.online.update import MiniBatch, actor_loss_fn, policy_forward
 from rlfactory.engine.run_dir import read_log
 from rlfactory.rollout.base import Completion
 from rlfactory.rollout.batch import pack_rollouts
@@ -60,7 +60,7 @@ def _loss_and_grads(model, batch, alg: AlgorithmConfig, splits: list[list[int]] 
     model.zero_grad()
     total = 0.0
     for pos in [torch.tensor(s) for s in splits] if splits else [mini]:
-        loss = loss_fn(mini[pos], pos, mini).loss
+        loss = loss_fn(mini[pos], pos, MiniBatch.local(mini, batch.loss_mask)).loss
         loss.backward()
         total += float(loss.detach())
     return total, [p.grad.clone() for p in model.parameters()]

@@ -252,7 +252,9 @@ def compute_advantages(run: Run, batch: RolloutBatch) -> dict[str, float]:
             seq_kl = float(kl.sum(-1).mean())
             metrics.update({"actor/reward_kl": seq_kl, "actor/kl_coef": run.kl_ctrl.value})
         batch.token_rewards = ops.token_rewards(batch, kl, run.kl_ctrl.value)
-        batch.advantages, batch.returns = ops.advantages(batch, alg)
+        batch.advantages, batch.returns = ops.advantages(
+            alg, batch.token_rewards, batch.response_mask, batch.group, batch.values
+        )
         if kl is not None:
             run.kl_ctrl.update(seq_kl, len(batch))
     return metrics
