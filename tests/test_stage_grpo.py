@@ -257,7 +257,12 @@ def test_grpo_variants_lora_kl_loss_dynamic_sampling_epochs(tmp_path: Path):
     groups: dict[int, set[float]] = {}
     for row in trace:
         groups.setdefault(row["group"], set()).add(row["score"])
-    assert all(len(scores) > 1 for scores in groups.values())  # only groups with a learning signal were kept
+    # the trained batch is always prompts_per_step groups: those with a learning signal first, then (when fewer
+    # were found in max_sampling_rounds) groups without one
+    assert len(groups) == 4 and len(trace) == 8
+    informative = [len(scores) > 1 for scores in groups.values()]
+    assert informative == sorted(informative, reverse=True)
+    assert sum(informative) * 2 == steps[0]["rollout/kept_samples"]
     assert (Path(cfg["output_dir"]) / "adapter_config.json").is_file()
 
 
