@@ -71,6 +71,11 @@ def test_engine_kwargs_follow_the_config(tmp_path: Path):
     gpu = engine_kwargs(cfg, policy, "merged", on_cpu=False)
     assert gpu["enable_sleep_mode"] and gpu["gpu_memory_utilization"] == 0.5 and "enable_lora" not in gpu
     assert gpu["dtype"] == "bfloat16"  # fp32 weights trained under bf16 autocast generate in bf16
+    assert "distributed_executor_backend" not in gpu and gpu["seed"] == cfg.seed
+    # several processes (torchrun): one engine per process, on the launcher's device, with a seed of its own
+    rank1 = engine_kwargs(cfg, policy, "merged", on_cpu=False, rank=1, world=2)
+    assert rank1["distributed_executor_backend"] == "external_launcher" and rank1["seed"] == cfg.seed + 1
+    assert rank1["tensor_parallel_size"] == 1
 
 
 def test_base_weights_are_checkpoint_names_without_lora(tmp_path: Path):
