@@ -285,7 +285,7 @@ def test_policy_loss_ignores_tokens_the_policy_did_not_sample(tokenizer, calc):
     from transformers import AutoModelForCausalLM
 
     from rlfactory.config.schema import AlgorithmConfig
-    from rlfactory.engine.online.update import actor_loss_fn, policy_forward
+    from rlfactory.engine.online.update import MiniBatch, actor_loss_fn, policy_forward
     from rlfactory.rollout.batch import pack_rollouts
 
     backend = ScriptedBackend(tokenizer, {"Q1": THREE_TURNS, "Q2": ["The answer is 5."]})
@@ -304,7 +304,7 @@ def test_policy_loss_ignores_tokens_the_policy_did_not_sample(tokenizer, calc):
     def loss_and_grads(b):
         model.zero_grad()
         rows = torch.arange(2)
-        loss = actor_loss_fn(model, b, alg, 1.0, 400)(rows, rows, rows).loss
+        loss = actor_loss_fn(model, b, alg, 1.0, 400)(rows, rows, MiniBatch.local(rows, b.loss_mask)).loss
         loss.backward()
         return float(loss.detach()), [p.grad.clone() for p in model.parameters()]
 

@@ -69,7 +69,7 @@ def test_is_weights_scale_the_policy_gradient_in_the_actor_loss():
     """On-policy (old = current), ppo_clip's per-token loss is -A; token_truncate multiplies it by w. The actor
     loss with the correction equals the hand-weighted aggregate, and the on-policy forward is kept as the
     trainer's log-probs (for the mismatch metrics) without an extra pass."""
-    from rlfactory.engine.online.update import actor_loss_fn
+    from rlfactory.engine.online.update import MiniBatch, actor_loss_fn
     from rlfactory.rollout.batch import RolloutBatch
 
     logits = torch.zeros(2, 3, 4, requires_grad=True)
@@ -94,7 +94,7 @@ def test_is_weights_scale_the_policy_gradient_in_the_actor_loss():
     alg = AlgorithmConfig(adv_estimator="grpo", loss_agg="token-mean")
     loss_fn = actor_loss_fn(Model(), batch, alg, 1.0, 2, "token_truncate", 2.0)
     rows = torch.arange(2)
-    part = loss_fn(rows, rows, rows)
+    part = loss_fn(rows, rows, MiniBatch.local(rows, batch.loss_mask))
     loss, metrics = part.loss, part.metrics
     weights = torch.tensor([[2.0, 1.0], [1.0, 0.5]])  # ratios 3 (capped at 2), 1, 1, 0.5
     assert float(loss) == pytest.approx(float((-batch.advantages * weights).mean()), abs=1e-6)

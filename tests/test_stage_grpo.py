@@ -12,7 +12,7 @@ import torch
 from tests.conftest import DATA_DIR, TINY_MODEL, expect_train_error, run_cli, write_yaml
 
 from rlfactory.config.schema import AlgorithmConfig
-from rlfactory.engine.online.update import actor_loss_fn, policy_forward
+from rlfactory.engine.online.update import MiniBatch, actor_loss_fn, policy_forward
 from rlfactory.engine.run_dir import read_log
 from rlfactory.rollout.base import Completion
 from rlfactory.rollout.batch import pack_rollouts
@@ -60,7 +60,7 @@ def _loss_and_grads(model, batch, alg: AlgorithmConfig, splits: list[list[int]] 
     model.zero_grad()
     total = 0.0
     for pos in [torch.tensor(s) for s in splits] if splits else [mini]:
-        loss = loss_fn(mini[pos], pos, mini).loss
+        loss = loss_fn(mini[pos], pos, MiniBatch.local(mini, batch.loss_mask)).loss
         loss.backward()
         total += float(loss.detach())
     return total, [p.grad.clone() for p in model.parameters()]
@@ -257,7 +257,12 @@ def test_grpo_variants_lora_kl_loss_dynamic_sampling_epochs(tmp_path: Path):
     groups: dict[int, set[float]] = {}
     for row in trace:
         groups.setdefault(row["group"], set()).add(row["score"])
-    assert all(len(scores) > 1 for scores in groups.values())  # only groups with a learning signal were kept
+    # the trained batch is always prompts_per_step groups: those with a learning signal first, then (when fewer
+    # were found in max_sampling_rounds) groups without one
+    assert len(groups) == 4 and len(trace) == 8
+    informative = [len(scores) > 1 for scores in groups.values()]
+    assert informative == sorted(informative, reverse=True)
+    assert sum(informative) * 2 == steps[0]["rollout/kept_samples"]
     assert (Path(cfg["output_dir"]) / "adapter_config.json").is_file()
 
 

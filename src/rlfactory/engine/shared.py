@@ -137,6 +137,9 @@ def make_optimizer(model: Any, lr: float, train: TrainConfig) -> torch.optim.Opt
     if not decay and not no_decay:
         raise UserError("no trainable parameters: check model.finetuning and the lora/freeze sections")
     groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # an empty group (LoRA trains no norm or bias) is left out: DeepSpeed drops it, and the LR scheduler built on
+    # the optimizer would then set one more group than DeepSpeed's optimizer has (seen under zero2, 2 H200s)
+    groups = [group for group in groups if group["params"]]
     # fused AdamW on CUDA (one kernel for all of LoRA's hundreds of small tensors), as transformers' Trainer
     fused = torch.cuda.is_available() and all(p.is_floating_point() for g in groups for p in g["params"])
     return torch.optim.AdamW(groups, lr=lr, betas=(train.adam_beta1, train.adam_beta2), fused=fused or None)
@@ -168,7 +171,7 @@ def prepare_model(accelerator: Accelerator, model: Any, *others: Any, torch_comp
     if torch_compile:
         logging.getLogger(__name__).info("torch.compile: %d layers", compile_layers(model))
     prepared = accelerator.prepare(model, *others)
-    prepared = prepared if isinstance(prepared, tuple) else (prepared,)
+    prepared = tuple(prepared) if isinstance(prepared, tuple | list) else (prepared,)  # fsdp2 returns a list
     unwrapped = accelerator.unwrap_model(prepared[0], keep_fp32_wrapper=False)
     if accelerator.is_fsdp2:
         # transformers' generate keeps the processes stepping together (synced_gpus: each FSDP2 forward gathers

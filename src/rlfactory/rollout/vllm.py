@@ -18,6 +18,12 @@ Why it is built this way:
 - ``generation_config="vllm"``, ``skip_tokenizer_init``, ``ignore_eos`` + ``stop_token_ids``: as the hf backend,
   a checkpoint's generation_config.json cannot change the sampling, ids never pass through text, and a sample
   stops only at the end-of-turn token (kept in the ids, finish_reason ``stop``) or at ``max_tokens``.
+- several processes (torchrun, data parallel): one engine per process on the process's own GPU, as TRL's colocate
+  mode builds them: ``distributed_executor_backend="external_launcher"`` makes the engine a single in-process worker
+  that takes its rank and device from the launcher's RANK / LOCAL_RANK (the default executor would put every
+  process's engine on GPU 0) and joins the launcher's process group instead of starting its own; each engine gets
+  its own seed (``seed + rank``) so the processes' samples are independent. Tensor parallelism within the engines
+  is refused with several processes (``engine.online.loop.check_world``).
 """
 
 from __future__ import annotations
@@ -66,8 +72,9 @@ def sync_mode(cfg: RunConfig, model: Any) -> str:
     return "full"
 
 
-def engine_kwargs(cfg: RunConfig, model: Any, mode: str, on_cpu: bool) -> dict[str, Any]:
-    """Arguments of ``vllm.LLM`` for this run (pure: the unit-tested part of engine construction)."""
+def engine_kwargs(cfg: RunConfig, model: Any, mode: str, on_cpu: bool, rank: int = 0, world: int = 1) -> dict[str, Any]:
+    """Arguments of ``vllm.LLM`` for this run, for process ``rank`` of ``world`` (pure: the unit-tested part of engine
+    construction)."""
     ro, ev = cfg.rollout, cfg.evaluation
     assert ro is not None
     dtype = next(model.parameters()).dtype
@@ -89,9 +96,27 @@ def engine_kwargs(cfg: RunConfig, model: Any, mode: str, on_cpu: bool) -> dict[s
         "trust_remote_code": cfg.model.trust_remote_code,
     }
     if mode == "adapter":
-        rank = next(r for r in LORA_RANKS if r >= cfg.lora.r) if cfg.lora.r <= LORA_RANKS[-1] else cfg.lora.r
-        kwargs.update(enable_lora=True, max_lora_rank=rank, max_loras=1)
+        lora_rank = next(r for r in LORA_RANKS if r >= cfg.lora.r) if cfg.lora.r <= LORA_RANKS[-1] else cfg.lora.r
+        kwargs.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=1)
+    if world > 1:  # one engine per process, on its own device, in the launcher's process group (module doc)
+        kwargs.update(distributed_executor_backend="external_launcher", seed=cfg.seed + rank)
     return kwargs
+
+
+def process_place() -> tuple[int, int]:
+    """(rank, world size) of this process in the run (0, 1 without a process group); several processes need the
+    launcher's environment, which the engine reads."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return 0, 1
+    missing = [name for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        raise UserError(
+            f"rollout.backend: vllm on several processes needs the launcher's {', '.join(missing)}: launch with "
+            "torchrun or accelerate launch"
+        )
+    return dist.get_rank(), dist.get_world_size()
 
 
 def vllm_sampling(vllm: Any, params: SamplingParams, n: int, stop_ids: list[int]) -> Any:
@@ -185,7 +210,7 @@ class VLLMBackend:
                 "rollout.lora_sync: adapter serves the LoRA on the engine's own copy of model.name_or_path, which "
                 "lacks the merged model.adapter_paths; set rollout.lora_sync: merged"
             )
-        kwargs = engine_kwargs(cfg, model, self.mode, self.on_cpu)
+        kwargs = engine_kwargs(cfg, model, self.mode, self.on_cpu, *process_place())
         self.sleep_mode = kwargs["enable_sleep_mode"]
         if cfg.rollout is not None and cfg.rollout.enable_sleep_mode and not self.sleep_mode:
             log.info("rollout.enable_sleep_mode: not available on this platform (CPU); the engine stays awake")

@@ -159,14 +159,25 @@ def check(cfg: RunConfig) -> list[str]:
 
 # --------------------------------------------------------------------------- the recipe
 def run(cfg: RunConfig) -> dict[str, Any]:
+    import os
+
     from accelerate.utils import set_seed
 
-    from rlfactory.engine.online.loop import train
+    from rlfactory.engine.online.loop import check_world, train
     from rlfactory.model.loader import load_model, load_tokenizer
     from rlfactory.model.value_head import load_value_model
 
     resume_from = common.preflight(cfg)
     check_backend(cfg)  # here, not in check(): `config check` validates a config, not this environment
+    # the process count as the launcher (torchrun, accelerate launch) sets it, before any model loads or anything is
+    # written; build_run checks it again on the Accelerator's own count
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_world(cfg, world)
+    if world > 1:  # every process has checked the output dir as it was before any of them writes into it
+        import torch
+        from accelerate import PartialState
+
+        PartialState(cpu=not torch.cuda.is_available()).wait_for_everyone()  # the state the Accelerator reuses
     traits = check_algorithm(cfg)
     if traits["needs_values"] and cfg.critic is None:
         cfg.critic = CriticConfig()  # the critic's defaults, written into the run's config.yaml

@@ -2,16 +2,18 @@
 validate -> checkpoint, then save. What one step does is ``phases.py``; the tensor math is ``update.py``.
 
 Design notes:
-- one process for now (a clear error under ``accelerate launch`` with several processes);
-  Accelerate owns device placement, mixed precision, backward, clipping and checkpoints, through the same
-  helpers as the offline loop (``engine.shared``).
+- one process or several (torchrun / ``accelerate launch``, data parallel with DDP: ``ranks.py``, and
+  docs/ARCHITECTURE.md "Online RL on several processes"); what writes (log lines, traces, the final model) writes
+  on rank 0 only, what counts is reduced over the ranks. Accelerate owns device placement, mixed precision,
+  backward, clipping and checkpoints, through the same helpers as the offline loop (``engine.shared``).
 - generation runs on the policy itself (hf backend, no weight sync) or on a vLLM engine in this process
   (vllm backend): that one gets the policy's weights once at the start (after a resume they differ from
   the checkpoint on disk) and after every update (``phases.update_models``), and its log-probs are compared
   with the trainer's every step.
 - validation is greedy on ``evaluation.dataset``: ``val/score`` (``evaluation.metric``, i.e. accuracy
   for answer_match) and ``val/reward/*`` (the reward stack), at step 0, every ``train.eval_steps`` and
-  at the end; the first and last give the before/after line of the summary.
+  at the end; the first and last give the before/after line of the summary. Several processes split the
+  prompts and gather the scored samples, so every rank computes the same numbers.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from rlfactory.config.schema import RunConfig
 from rlfactory.engine import shared
 from rlfactory.engine.offline import TrainResult
 from rlfactory.engine.online.phases import LoopState, Run, step, trace_rows
+from rlfactory.engine.online.ranks import Ranks
 from rlfactory.engine.online.update import Updater
 from rlfactory.errors import UserError
-from rlfactory.rewards.stack import RewardStack, Sample, score_metrics
+from rlfactory.rewards.stack import RewardStack, Sample, Scores, score_metrics
 from rlfactory.rollout.agent import build_rollouts, episode_metrics, episode_trace_fields
 from rlfactory.rollout.base import SamplingParams
 
@@ -49,13 +52,53 @@ def _kl_controller(cfg: RunConfig) -> FixedKLController | AdaptiveKLController:
     return FixedKLController(alg.kl_in_reward_coef)
 
 
-def _updater(accelerator: Accelerator, model: Any, lr: float, cfg: RunConfig, updates: int) -> Updater:
+def _updater(accelerator: Accelerator, model: Any, lr: float, cfg: RunConfig, updates: int, ranks: Ranks) -> Updater:
     optimizer = shared.make_optimizer(model, lr, cfg.train)
     scheduler = shared.make_scheduler(optimizer, cfg.train, updates)
     model, optimizer, scheduler = shared.prepare_model(
         accelerator, model, optimizer, scheduler, torch_compile=cfg.train.torch_compile
     )
-    return Updater(accelerator, model, optimizer, scheduler, cfg.train.max_grad_norm)
+    return Updater(accelerator, model, optimizer, scheduler, cfg.train.max_grad_norm, ranks)
+
+
+def check_processes(accelerator: Accelerator, cfg: RunConfig) -> None:
+    """What several processes need (the launcher's settings are known only once the Accelerator exists)."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.num_processes > 1 and accelerator.distributed_type not in (
+        DistributedType.MULTI_GPU,
+        DistributedType.MULTI_CPU,
+    ):
+        raise UserError(
+            f"stage {cfg.stage} runs on several processes with DDP only (this launch uses "
+            f"{accelerator.distributed_type.value}); drop the DeepSpeed / FSDP settings for ppo and grpo"
+        )
+    check_world(cfg, accelerator.num_processes)
+
+
+def check_world(cfg: RunConfig, world: int) -> None:
+    """The step's prompts split evenly over ``world`` processes; one vLLM engine per process, on its own GPU."""
+    ro = cfg.rollout
+    assert ro is not None
+    if world > 1 and ro.prompts_per_step % world:
+        raise UserError(
+            f"rollout.prompts_per_step ({ro.prompts_per_step}) must divide by the number of processes ({world}): "
+            "each process generates an equal share of the step's prompts; e.g. prompts_per_step: "
+            f"{-(-ro.prompts_per_step // world) * world}"
+        )
+    if world > 1 and ro.backend == "vllm" and ro.tensor_parallel_size > 1:
+        raise UserError(
+            f"rollout.tensor_parallel_size: {ro.tensor_parallel_size} with {world} processes is not supported: "
+            "each process runs its own vLLM engine on its own GPU (tensor_parallel_size: 1); for a model that "
+            "needs several GPUs to generate, run one process with tensor_parallel_size > 1"
+        )
+    if world > 1 and cfg.train.deepspeed:
+        raise UserError(
+            f"train.deepspeed: stage {cfg.stage} runs on several processes with DDP only; remove train.deepspeed"
+        )
+    strategy = getattr(getattr(cfg, "distributed", None), "strategy", "ddp")  # the launcher's section, where it exists
+    if world > 1 and strategy != "ddp":
+        raise UserError(f"distributed.strategy: {strategy}: stage {cfg.stage} runs on several processes with ddp only")
 
 
 def build_run(
@@ -73,8 +116,8 @@ def build_run(
 
     ro, alg = cfg.rollout, cfg.algorithm
     accelerator = shared.build_accelerator(cfg)
-    if accelerator.num_processes > 1:
-        raise UserError(f"stage {cfg.stage} runs on one process for now; launch it without accelerate launch")
+    check_processes(accelerator, cfg)
+    ranks = Ranks(accelerator)
     set_seed(cfg.seed)
     total = cfg.train.max_steps or max(1, math.ceil(cfg.train.num_epochs * len(prompts) / ro.prompts_per_step))
     updates = total * alg.ppo_epochs * alg.num_mini_batches
@@ -85,11 +128,12 @@ def build_run(
     policy.train()
     if cfg.model.finetuning == "lora" and cfg.lora.dropout > 0:
         log.warning("lora.dropout=%g adds noise to the PPO ratio; 0 is recommended for ppo/grpo", cfg.lora.dropout)
-    actor = _updater(accelerator, policy, cfg.train.learning_rate, cfg, updates)
+    actor = _updater(accelerator, policy, cfg.train.learning_rate, cfg, updates, ranks)
     critic_updater = None
     if critic is not None:
         critic.train()
-        critic_updater = _updater(accelerator, critic, cfg.critic.learning_rate, cfg, updates)
+        _ddp_ignore_unused(critic)
+        critic_updater = _updater(accelerator, critic, cfg.critic.learning_rate, cfg, updates, ranks)
     accelerator.register_save_state_pre_hook(shared.keep_trainable_weights)
     shared.init_trackers(accelerator, cfg)
     reward_model = None
@@ -104,6 +148,7 @@ def build_run(
     return Run(
         cfg=cfg,
         accelerator=accelerator,
+        ranks=ranks,
         tokenizer=tokenizer,
         out=Path(cfg.output_dir),
         actor=actor,
@@ -118,15 +163,34 @@ def build_run(
     )
 
 
+def _ddp_ignore_unused(critic: Any) -> None:
+    """The critic never runs its LM's output head (values come from the decoder's hidden states); an untied,
+    trained head would get no gradient, which DDP reports as an error at the next step. DDP is told to leave
+    such parameters out (``_set_params_and_buffers_to_ignore_for_model``, read when it wraps the model); a
+    head tied to the input embeddings is used, and stays in."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    used = {id(p) for p in critic.lm.get_decoder().parameters()} | {id(p) for p in critic.value_head.parameters()}
+    unused = [name for name, p in critic.named_parameters() if p.requires_grad and id(p) not in used]
+    if unused:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(critic, unused)
+
+
 def validate(run: Run) -> tuple[dict[str, float], list[dict]]:
-    """Greedy completions of the held-out prompts: val/score (evaluation.metric) and val/reward/* (the stack)."""
+    """Greedy completions of the held-out prompts: val/score (evaluation.metric) and val/reward/* (the stack).
+
+    Several processes: each generates and scores its part of the prompts, and the scored samples are gathered in
+    rank order, so every rank returns the same numbers (those of one process, up to batching's float rounding)."""
     from rlfactory.rewards.builtin import metric_score
 
     ev = run.cfg.evaluation
-    with run.accelerator.autocast():  # multi-turn evaluation runs the same agent loop, greedy
-        completions, finals, seen = run.rollouts.generate(
-            run.eval_prompts, SamplingParams(max_tokens=ev.max_new_tokens, temperature=0)
-        )
+    prompts = run.ranks.split(run.eval_prompts)
+    completions, finals, seen = [], [], []
+    if prompts:
+        with run.accelerator.autocast():  # multi-turn evaluation runs the same agent loop, greedy
+            completions, finals, seen = run.rollouts.generate(
+                prompts, SamplingParams(max_tokens=ev.max_new_tokens, temperature=0)
+            )
     decode = run.tokenizer.decode
     samples = [
         Sample(
@@ -138,14 +202,16 @@ def validate(run: Run) -> tuple[dict[str, float], list[dict]]:
         )
         for p, c, f in zip(seen, completions, finals, strict=True)
     ]
-    scores = run.rewards.score(samples)
+    scores = run.rewards.score(samples) if samples else Scores([], {}, {}, {})
     values = [metric_score(ev.metric, s.prompt, s.completion, s.answer, s.example) for s in samples]
+    if run.ranks.many:
+        samples, scores, values = _gather_scored(run.ranks, samples, scores, values)
     metrics = {
         "val/score": sum(values) / len(values),
         "val/reward/mean": sum(scores.total) / len(samples),
         "val/response_length/mean": sum(s.response_length for s in samples) / len(samples),
         **score_metrics(scores, "val/reward"),
-        **episode_metrics(seen, "val/"),
+        **episode_metrics([s.example for s in samples], "val/"),
     }
     rows = [
         {
@@ -158,6 +224,24 @@ def validate(run: Run) -> tuple[dict[str, float], list[dict]]:
         for s, v in zip(samples, values, strict=True)
     ]
     return metrics, rows
+
+
+def _gather_scored(
+    ranks: Ranks, samples: list[Sample], scores: Scores, values: list[float]
+) -> tuple[list[Sample], Scores, list[float]]:
+    """Every rank's scored samples in rank order, with the Scores one process would have made of them (a dict
+    reward's part that some samples lack is 0.0 for them, as ``RewardStack.score`` records it)."""
+    column = lambda named, i: {name: values[i] for name, values in named.items()}
+    rows = ranks.gather_objects(
+        [
+            (sample, scores.total[i], column(scores.components, i), column(scores.parts, i), values[i])
+            for i, sample in enumerate(samples)
+        ]
+    )
+    components = {name: [r[2].get(name, 0.0) for r in rows] for name in dict.fromkeys(k for r in rows for k in r[2])}
+    parts = {name: [r[3].get(name, 0.0) for r in rows] for name in dict.fromkeys(k for r in rows for k in r[3])}
+    gathered = Scores([r[1] for r in rows], components, parts, ranks.sum_counts(scores.failures))
+    return [r[0] for r in rows], gathered, [r[4] for r in rows]
 
 
 def write_trace(out: Path, name: str, rows: list[dict[str, Any]]) -> Path:
@@ -185,11 +269,15 @@ def _mean(window: list[dict[str, float]]) -> dict[str, float]:
 def _validate_and_log(run: Run, step_index: int) -> dict[str, float]:
     metrics, rows = validate(run)
     _log(run, {"step": step_index, **metrics})
-    if run.cfg.logging.rollout_trace_steps:
-        write_trace(run.out, f"val_step_{step_index:05d}", rows)
-    log.info(
-        "step %d: val/score %.3f, val/reward/mean %.3f", step_index, metrics["val/score"], metrics["val/reward/mean"]
-    )
+    if run.accelerator.is_main_process:
+        if run.cfg.logging.rollout_trace_steps:
+            write_trace(run.out, f"val_step_{step_index:05d}", rows)
+        log.info(
+            "step %d: val/score %.3f, val/reward/mean %.3f",
+            step_index,
+            metrics["val/score"],
+            metrics["val/reward/mean"],
+        )
     return metrics
 
 
@@ -198,6 +286,7 @@ def _resume(run: Run, resume_from: Path) -> dict[str, float] | None:
     from rlfactory.engine.run_dir import read_log
 
     saved = shared.load_checkpoint(run.accelerator, resume_from, run.out)
+    run.accelerator.wait_for_everyone()  # every rank has cut the log to the checkpoint before rank 0 appends to it
     known = {k: v for k, v in saved.items() if k in LoopState.__dataclass_fields__}
     run.state = LoopState(**known)
     if run.state.kl_coef is not None:
@@ -231,7 +320,13 @@ def train(
     )
     if eval_prompts and cfg.evaluation.before_training and resume_from is None:
         before = _validate_and_log(run, 0)
-    bar = tqdm(total=run.total_steps, initial=run.state.step, desc=cfg.stage, disable=not cfg.logging.progress_bar)
+    main = run.accelerator.is_main_process
+    bar = tqdm(
+        total=run.total_steps,
+        initial=run.state.step,
+        desc=cfg.stage,
+        disable=not (cfg.logging.progress_bar and main),
+    )
     window: list[dict[str, float]] = []
     last: dict[str, float] = {}
     for index in range(run.state.step, run.total_steps):
@@ -244,8 +339,8 @@ def train(
             last = _mean(window)
             _log(run, {"step": done, "epoch": run.state.epoch, **last})
             window = []
-        if cfg.logging.rollout_trace_steps and (done == 1 or done % cfg.logging.rollout_trace_steps == 0):
-            write_trace(run.out, f"step_{done:05d}", trace_rows(done, result.samples, result.batch))
+        if main and cfg.logging.rollout_trace_steps and (done == 1 or done % cfg.logging.rollout_trace_steps == 0):
+            write_trace(run.out, f"step_{done:05d}", trace_rows(done, result.samples, result.advantages))
         if eval_prompts and cfg.train.eval_steps and done % cfg.train.eval_steps == 0 and done < run.total_steps:
             _validate_and_log(run, done)
         if cfg.train.save_steps and done % cfg.train.save_steps == 0 and done < run.total_steps:
@@ -263,14 +358,17 @@ def _finish(run: Run, last: dict, before: dict | None, after: dict | None) -> tu
 
     accelerator, cfg = run.accelerator, run.cfg
     accelerator.wait_for_everyone()
-    policy = accelerator.unwrap_model(run.actor.model)
-    saved_as = save_model(policy, run.tokenizer, run.out)
-    if run.critic is not None:
-        from rlfactory.model.value_head import save_value_model
+    policy = accelerator.unwrap_model(run.actor.model)  # DDP keeps the weights the same on every rank
+    saved_as = None
+    if accelerator.is_main_process:
+        saved_as = save_model(policy, run.tokenizer, run.out)
+        if run.critic is not None:
+            from rlfactory.model.value_head import save_value_model
 
-        save_value_model(accelerator.unwrap_model(run.critic.model), run.out / "critic")
-    if cfg.logging.plot_loss:
-        run_dir.plot_log(run.out, ("loss", "score/mean", "val/score"))
+            save_value_model(accelerator.unwrap_model(run.critic.model), run.out / "critic")
+        if cfg.logging.plot_loss:
+            run_dir.plot_log(run.out, ("loss", "score/mean", "val/score"))
+    saved_as = run.ranks.first(saved_as)  # every rank returns the same result; the model is written once
     shared.end_run(accelerator)
     run.rollouts.close()
     extra: dict[str, Any] = {}

@@ -17,6 +17,11 @@
 
 Each phase fills named fields of the typed :class:`RolloutBatch`; whether it runs is decided by what the run
 has (a reference, a critic) and by the registry entries' traits, never by a stage name.
+
+On several processes (``ranks.py``): each rank generates and scores its share of the step's prompts, and every
+rank gathers the step's samples (phases 1-2), so dynamic sampling and the metrics decide on the same global list
+everywhere; each rank packs its equal share of the trained samples into its batch (phases 3-5 run on it), the
+estimator runs on every rank's rows (phase 6) and the update aggregates over every rank's rows (phase 7).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import torch
 
 from rlfactory.config.schema import RunConfig
 from rlfactory.engine.online import update as ops
+from rlfactory.engine.online.ranks import Ranks
 from rlfactory.engine.shared import peak_memory_gb
 from rlfactory.rewards.stack import RewardStack, Sample, Scores, score_metrics
 from rlfactory.rollout.agent import Rollouts, episode_metrics, episode_trace_fields
@@ -87,6 +93,7 @@ class Run:
 
     cfg: RunConfig
     accelerator: Accelerator
+    ranks: Ranks  # this process among the run's (one: every collective is a no-op)
     tokenizer: Any
     out: Path
     actor: ops.Updater  # the policy and its optimizer
@@ -118,8 +125,9 @@ class Rollout:
 @dataclass
 class StepResult:
     metrics: dict[str, float]
-    samples: list[Rollout]  # the trained samples (after dynamic sampling)
-    batch: RolloutBatch
+    samples: list[Rollout]  # the trained samples (after dynamic sampling), of every rank
+    batch: RolloutBatch  # this rank's share of them
+    advantages: list[float]  # per trained sample (of every rank): its mean advantage over its response
 
 
 # --------------------------------------------------------------------------- 1-2: rollout + reward
@@ -140,12 +148,20 @@ def next_prompts(run: Run, k: int) -> list[dict]:
 def generate_and_score(
     run: Run, examples: list[dict], params: SamplingParams, copies: int
 ) -> tuple[list[Rollout], dict[str, int]]:
-    """``copies`` samples per example, scored (group ids are fresh per prompt); and reward failures per component."""
-    repeated = [ex for ex in examples for _ in range(copies)]
+    """``copies`` samples per example, scored (group ids are fresh per prompt); and reward failures per component.
+
+    ``examples`` are the round's prompts; on several processes each rank generates and scores its contiguous share
+    (whole groups), then the samples of every rank are gathered in rank order: every rank returns the same list,
+    in the order one process would have made it.
+    """
+    first_group = run.state.group
+    run.state.group += len(examples)
+    mine = run.ranks.share(examples)
+    first_group += run.ranks.rank * len(mine)
+    repeated = [ex for ex in mine for _ in range(copies)]
     with run.timer("gen"), run.accelerator.autocast():
         completions, finals, seen = run.rollouts.generate(repeated, params)
-    groups = [run.state.group + i // copies for i in range(len(repeated))]
-    run.state.group += len(examples)
+    groups = [first_group + i // copies for i in range(len(repeated))]
     decode = run.tokenizer.decode
     samples = [  # multi-turn: rewards read the last assistant turn (``final``)
         Sample(
@@ -164,20 +180,30 @@ def generate_and_score(
         Rollout(s.example, ex["prompt_ids"], c, s.completion, g, scores.total[i], {k: v[i] for k, v in parts.items()})
         for i, (s, ex, c, g) in enumerate(zip(samples, repeated, completions, groups, strict=True))
     ]
-    return rollouts, scores.failures
+    return run.ranks.gather_objects(rollouts), run.ranks.sum_counts(scores.failures)
 
 
 def collect(run: Run) -> tuple[list[Rollout], list[Rollout], dict[str, int]]:
-    """(kept samples, all generated samples, reward failures). Dynamic sampling keeps only groups whose
-    rewards are not all equal (an all-equal group has zero advantage: nothing to learn from)."""
+    """(trained samples, all generated samples, reward failures), each of every rank.
+
+    Dynamic sampling prefers groups whose rewards are not all equal (an all-equal group has zero advantage: nothing
+    to learn from): it samples rounds of prompts until ``prompts_per_step`` such groups are found or
+    ``max_sampling_rounds`` ran. The trained batch is always ``prompts_per_step`` groups -- the informative groups
+    first, then, if fewer were found, uninformative ones in the order they were generated -- so that it splits
+    evenly over the processes. On several processes a round draws the prompts still needed rounded up to a multiple
+    of the number of processes (so each rank gets its share); the decisions are made on the gathered samples,
+    identically on every rank, so every rank runs the same rounds.
+    """
     ro = run.cfg.rollout
     assert ro is not None
     params = SamplingParams.from_rollout(ro)
-    kept: list[Rollout] = []
+    informative: list[Rollout] = []
+    uninformative: list[Rollout] = []
     generated: list[Rollout] = []
     failures: dict[str, int] = {}
+    wanted = ro.prompts_per_step * ro.num_samples
     for _ in range(ro.max_sampling_rounds if ro.dynamic_sampling else 1):
-        needed = ro.prompts_per_step - len(kept) // ro.num_samples
+        needed = run.ranks.round_up(ro.prompts_per_step - len(informative) // ro.num_samples)
         samples, failed = generate_and_score(run, next_prompts(run, needed), params, ro.num_samples)
         generated += samples
         failures = {k: failures.get(k, 0) + n for k, n in failed.items()}
@@ -185,16 +211,22 @@ def collect(run: Run) -> tuple[list[Rollout], list[Rollout], dict[str, int]]:
             return samples, generated, failures
         for start in range(0, len(samples), ro.num_samples):
             group = samples[start : start + ro.num_samples]
-            if len({s.score for s in group}) > 1:
-                kept += group
-        if len(kept) >= ro.prompts_per_step * ro.num_samples:
+            (informative if len({s.score for s in group}) > 1 else uninformative).extend(group)
+        if len(informative) >= wanted:
             break
-    # nothing informative at all: train on the last round (advantages are 0, only KL/entropy act)
-    return kept or samples, generated, failures
+    return (informative + uninformative)[:wanted], generated, failures
+
+
+def informative_samples(samples: list[Rollout], group_size: int) -> int:
+    """How many of ``samples`` (whole groups in order) belong to groups whose rewards are not all equal."""
+    groups = [samples[i : i + group_size] for i in range(0, len(samples), group_size)]
+    return sum(len(g) for g in groups if len({s.score for s in g}) > 1)
 
 
 def to_batch(run: Run, samples: list[Rollout]) -> RolloutBatch:
+    """This rank's equal share of the trained samples (all of them on one process), packed."""
     assert run.cfg.rollout is not None
+    samples = run.ranks.share(samples)
     batch = pack_rollouts(
         [s.prompt_ids for s in samples],
         [s.completion for s in samples],
@@ -234,14 +266,21 @@ def critic_values(run: Run, batch: RolloutBatch) -> None:
     """batch.values: the critic's value of each response position (only a run with a critic has one)."""
     if run.critic is None:
         return
+    critic = run.accelerator.unwrap_model(run.critic.model)  # no gradient: past DDP, as the other passes
     with run.timer("values"):
-        forward = lambda rows, width: ops.value_forward(run.critic.model, batch, rows, width)
+        forward = lambda rows, width: ops.value_forward(critic, batch, rows, width)
         batch.values = ops.full_pass(forward, batch, run.cfg.train.per_device_batch_size)
 
 
-def compute_advantages(run: Run, batch: RolloutBatch) -> dict[str, float]:
-    """batch.token_rewards, .advantages, .returns; the in-reward KL penalty (and its controller) when set."""
-    alg, metrics = run.cfg.algorithm, {}
+def compute_advantages(run: Run, batch: RolloutBatch) -> tuple[dict[str, float], list[float]]:
+    """batch.token_rewards, .advantages, .returns; the in-reward KL penalty (and its controller) when set.
+
+    Returns the metrics (advantages/*, the KL and the critic's explained variance) and each trained sample's mean
+    advantage (for the traces), over the samples of every rank. On several processes the estimator reads what it
+    needs of every rank's rows (batch-wide statistics: reinforce_plus_plus and gae whiten over the batch) and each
+    rank keeps its own rows: exact for every estimator.
+    """
+    alg, metrics, ranks = run.cfg.algorithm, {}, run.ranks
     with run.timer("adv"):
         kl = None
         if alg.kl_in_reward_coef > 0:
@@ -249,16 +288,33 @@ def compute_advantages(run: Run, batch: RolloutBatch) -> dict[str, float]:
 
             kl = KL_ESTIMATORS.get(alg.kl_reward_estimator)(batch.old_logprobs, batch.ref_logprobs)
             kl = kl * batch.response_mask
-            seq_kl = float(kl.sum(-1).mean())
+            seq_kl = float(ranks.gather_rows(kl.sum(-1)).mean())
             metrics.update({"actor/reward_kl": seq_kl, "actor/kl_coef": run.kl_ctrl.value})
         batch.token_rewards = ops.token_rewards(batch, kl, run.kl_ctrl.value)
-        batch.advantages, batch.returns = ops.advantages(batch, alg)
+        mask = ranks.gather_rows(batch.response_mask)
+        values = None if batch.values is None else ranks.gather_rows(batch.values)
+        group = None if batch.group is None else ranks.gather_rows(batch.group)
+        advantages, returns = ops.advantages(alg, ranks.gather_rows(batch.token_rewards), mask, group, values)
+        rows, width = len(batch), batch.responses.shape[1]
+        batch.advantages = ranks.local_rows(advantages, rows, width)
+        batch.returns = ranks.local_rows(returns, rows, width)
         if kl is not None:
-            run.kl_ctrl.update(seq_kl, len(batch))
-    return metrics
+            run.kl_ctrl.update(seq_kl, len(mask))
+    adv = advantages[mask > 0]
+    metrics.update(
+        {
+            "advantages/mean": float(adv.mean()) if adv.numel() else 0.0,
+            "advantages/max": float(adv.max()) if adv.numel() else 0.0,
+            "advantages/min": float(adv.min()) if adv.numel() else 0.0,
+        }
+    )
+    if values is not None:
+        metrics["critic/vf_explained_var"] = ops.explained_variance(values, returns, mask)
+    per_sample = (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    return metrics, per_sample.tolist()
 
 
-def score_batch(run: Run, batch: RolloutBatch) -> dict[str, float]:
+def score_batch(run: Run, batch: RolloutBatch) -> tuple[dict[str, float], list[float]]:
     """Phases 3-6 under autocast: every pass that reads the batch without a gradient, then the advantages."""
     with run.accelerator.autocast():
         reference_logprobs(run, batch)
@@ -274,7 +330,6 @@ def update_models(run: Run, batch: RolloutBatch, step: int) -> tuple[dict[str, f
     cfg, alg, micro = run.cfg, run.cfg.algorithm, run.cfg.train.per_device_batch_size
     ro, metrics, trainer_logprobs = cfg.rollout, {}, None
     if run.critic is not None:
-        metrics["critic/vf_explained_var"] = ops.explained_variance(batch.values, batch.returns, batch.response_mask)
         with run.timer("update_critic"):
             loss_fn = ops.critic_loss_fn(run.critic.model, batch, alg, ro.max_response_len)
             metrics.update(run.critic.run(batch, alg, micro, batch.response_mask, loss_fn, "critic").metrics)
@@ -293,41 +348,40 @@ def update_models(run: Run, batch: RolloutBatch, step: int) -> tuple[dict[str, f
 
 
 # --------------------------------------------------------------------------- 9: metrics
-def mismatch(batch: RolloutBatch, trainer_logprobs: torch.Tensor | None) -> dict[str, float]:
-    """Sampler vs trainer log-probs of the same tokens (only when a separate sampler produced the batch)."""
+def mismatch(ranks: Ranks, batch: RolloutBatch, trainer_logprobs: torch.Tensor | None) -> dict[str, float]:
+    """Sampler vs trainer log-probs of the same tokens (only when a separate sampler produced the batch), over the
+    tokens of every rank."""
     from rlfactory.algos.rollout_correction import mismatch_metrics
 
     trainer = batch.old_logprobs if batch.old_logprobs is not None else trainer_logprobs
     if batch.sampler_logprobs is None or trainer is None:
         return {}
     seen = torch.isfinite(trainer)  # rows of a skipped mini-batch (nothing in the loss) have no trainer log-probs
-    return mismatch_metrics(trainer.nan_to_num(0.0), batch.sampler_logprobs, batch.response_mask * seen)
+    return mismatch_metrics(
+        ranks.gather_rows(trainer.nan_to_num(0.0)),
+        ranks.gather_rows(batch.sampler_logprobs),
+        ranks.gather_rows(batch.response_mask * seen),
+    )
 
 
-def batch_metrics(
-    samples: list[Rollout], generated: list[Rollout], failures: dict[str, int], batch: RolloutBatch
-) -> dict[str, float]:
+def batch_metrics(samples: list[Rollout], generated: list[Rollout], failures: dict[str, int], kept: int) -> dict:
     """score/, reward/<name>/ and response_length/ over every sample generated this step (the policy as it
-    is, before dynamic sampling filters groups); advantages/ over the trained batch."""
+    is, before dynamic sampling filters groups), of every rank; ``kept``: the informative samples trained."""
     scores = [s.score for s in generated]
     lengths = [len(s.completion.token_ids) for s in generated]
     components: dict[str, list[float]] = {}
     for sample in generated:
         for name, value in sample.rewards.items():
             components.setdefault(name, []).append(value)
-    adv = batch.advantages[batch.response_mask > 0]
     return {
         **score_metrics(Scores(scores, components, {}, failures)),
         "score/mean": sum(scores) / len(scores),
         "score/max": max(scores),
         "score/min": min(scores),
-        "advantages/mean": float(adv.mean()) if adv.numel() else 0.0,
-        "advantages/max": float(adv.max()) if adv.numel() else 0.0,
-        "advantages/min": float(adv.min()) if adv.numel() else 0.0,
         "response_length/mean": sum(lengths) / len(lengths),
         "response_length/max": float(max(lengths)),
         "response_length/clip_ratio": sum(s.completion.finish_reason == "length" for s in generated) / len(lengths),
-        "rollout/kept_samples": float(len(samples)),
+        "rollout/kept_samples": float(kept),
         "rollout/generated_samples": float(len(generated)),
         **episode_metrics([s.example for s in generated]),
     }
@@ -335,25 +389,26 @@ def batch_metrics(
 
 def step(run: Run, index: int) -> StepResult:
     """One RL step: the phases above, in order."""
+    ro = run.cfg.rollout
     with run.timer("step"):
         samples, generated, failures = collect(run)
         batch = to_batch(run, samples)
-        metrics = score_batch(run, batch)
+        metrics, advantages = score_batch(run, batch)
         update_metrics, trainer_logprobs = update_models(run, batch, index)
         metrics.update(update_metrics)
-    metrics.update(batch_metrics(samples, generated, failures, batch))
-    metrics.update(mismatch(batch, trainer_logprobs))
+    kept = informative_samples(samples, ro.num_samples) if ro.dynamic_sampling else len(samples)
+    metrics.update(batch_metrics(samples, generated, failures, kept))
+    metrics.update(mismatch(run.ranks, batch, trainer_logprobs))
     timing = run.timer.pop()
     tokens = sum(len(s.prompt_ids) + len(s.completion.token_ids) for s in generated)
     metrics.update(timing)
-    metrics["perf/throughput"] = tokens / max(timing["timing_s/step"], 1e-9)
-    metrics["perf/max_memory_gb"] = peak_memory_gb()
+    metrics["perf/throughput"] = tokens / max(timing["timing_s/step"], 1e-9)  # every rank's tokens: the run's
+    metrics["perf/max_memory_gb"] = run.ranks.max(peak_memory_gb())  # the fullest process
     metrics["loss"] = metrics.get("actor/loss", metrics.get("critic/vf_loss", 0.0))
-    return StepResult(metrics, samples, batch)
+    return StepResult(metrics, samples, batch, advantages)
 
 
-def trace_rows(step_index: int, samples: list[Rollout], batch: RolloutBatch) -> list[dict]:
-    adv = (batch.advantages * batch.response_mask).sum(-1) / batch.response_mask.sum(-1).clamp(min=1)
+def trace_rows(step_index: int, samples: list[Rollout], advantages: list[float]) -> list[dict]:
     return [
         {
             "step": step_index,
@@ -367,8 +422,8 @@ def trace_rows(step_index: int, samples: list[Rollout], batch: RolloutBatch) -> 
             "finish_reason": s.completion.finish_reason,
             "rewards": s.rewards,
             "score": s.score,
-            "advantage": float(adv[i]),
+            "advantage": advantage,
             **episode_trace_fields(s.example),
         }
-        for i, s in enumerate(samples)
+        for s, advantage in zip(samples, advantages, strict=True)
     ]

@@ -9,15 +9,20 @@ registries by name; this module never branches on a name.
 Exactness: every aggregation in ``LOSS_AGG`` is linear in the per-token loss, so a micro-batch
 contributes ``agg(loss placed in its rows of a zero (mini-batch) tensor, mini-batch mask)`` and the
 micro-batch contributions sum to the mini-batch loss exactly — whatever the mode (token-mean,
-seq-mean, ...) and however rows are split.
+seq-mean, ...) and however rows are split. On several processes the mini-batch is the union of every
+rank's rows (:class:`MiniBatch`): a micro-batch's loss is placed at its rows' places in the whole
+mini-batch and aggregated with the whole mini-batch's mask, and the backward pass multiplies it by the
+number of processes, which undoes DDP's gradient average: the gradient is that of the whole
+mini-batch, as on one process.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +31,9 @@ from rlfactory.algos.common import entropy_from_logits, masked_mean, masked_var,
 from rlfactory.config.schema import AlgorithmConfig
 from rlfactory.engine.shared import autocast_forward, clip_grad_norm
 from rlfactory.rollout.batch import RolloutBatch, response_logits
+
+if TYPE_CHECKING:
+    from rlfactory.engine.online.ranks import Ranks
 
 Batch = RolloutBatch
 
@@ -111,16 +119,22 @@ def token_rewards(batch: Batch, kl_penalty: torch.Tensor | None, kl_coef: float)
     return rewards
 
 
-def advantages(batch: Batch, alg: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def advantages(
+    alg: AlgorithmConfig,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns) (B, R) from the estimator named by ``algorithm.adv_estimator``."""
     from rlfactory.algos.advantages import ADV_ESTIMATORS
 
     estimator = ADV_ESTIMATORS.get(str(alg.adv_estimator))
     return estimator(
-        batch.token_rewards,
-        batch.response_mask,
-        index=batch.group,
-        values=batch.values,
+        token_rewards,
+        response_mask,
+        index=group,
+        values=values,
         gamma=alg.gamma,
         lam=alg.lam,
         config={"scale": alg.grpo_scale},
@@ -133,11 +147,32 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     return float(1 - masked_var(returns - values, mask) / var_returns.clamp(min=1e-8))
 
 
-def _part(agg: Callable, per_token: torch.Tensor, mini_mask: torch.Tensor, pos: torch.Tensor, max_len: int):
-    """This micro-batch's exact share of the mini-batch aggregate (see module doc)."""
-    full = per_token.new_zeros(mini_mask.shape)
-    full = full.index_put((pos,), per_token)
-    return agg(full, mini_mask, max_response_length=max_len)
+@dataclass
+class MiniBatch:
+    """One mini-batch as a loss sees it: this rank's ``rows`` of it, and the mask of the whole mini-batch.
+
+    On one process ``mask`` is ``mask[rows]``. On several it is every rank's rows' mask in rank order (each rank
+    holds the same number of rows of every mini-batch), right-padded to the widest rank's responses, and this
+    rank's rows start at ``offset``.
+    """
+
+    rows: torch.Tensor  # (m,) this rank's rows (indices into its batch)
+    mask: torch.Tensor  # (M, R) the whole mini-batch's mask; M = m x the number of processes
+    offset: int = 0  # where this rank's rows sit in ``mask``
+
+    @classmethod
+    def local(cls, rows: torch.Tensor, mask: torch.Tensor) -> MiniBatch:
+        """The mini-batch ``rows`` of a batch trained on one process."""
+        return cls(rows, mask[rows])
+
+
+def _part(agg: Callable, per_token: torch.Tensor, mini: MiniBatch, pos: torch.Tensor, max_len: int):
+    """This micro-batch's exact share of the (whole) mini-batch aggregate (see module doc)."""
+    full = per_token.new_zeros(mini.mask.shape)
+    if per_token.shape[1] < full.shape[1]:  # another rank's responses are longer
+        per_token = F.pad(per_token, (0, full.shape[1] - per_token.shape[1]))
+    full = full.index_put((pos + mini.offset if mini.offset else pos,), per_token)
+    return agg(full, mini.mask, max_response_length=max_len)
 
 
 @dataclass
@@ -156,19 +191,40 @@ class UpdateResult:
     logprobs: torch.Tensor | None = None  # (B, R) trainer log-probs of each row as first seen (NaN: never seen)
 
 
-LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], LossPart]  # (rows, pos, mini_rows, width)
+LossFn = Callable[[torch.Tensor, torch.Tensor, MiniBatch, int], LossPart]  # (rows, pos, mini, width)
 
 
 class Updater:
     """One trained model: its optimizer steps over the mini-batch epochs of a rollout batch.
 
-    ``loss_fn(rows, pos, mini_rows, width) -> LossPart``: ``rows`` index the batch, ``pos`` the micro-batch's
-    places in its mini-batch ``mini_rows``, ``width`` is the micro-batch's longest response.
+    ``loss_fn(rows, pos, mini, width) -> LossPart``: ``rows`` index the batch, ``pos`` the micro-batch's places
+    among this rank's rows of the :class:`MiniBatch` ``mini``, ``width`` is the micro-batch's longest response.
+
+    On several processes each rank runs this on its own equal share of the rows: it shuffles its share (its own
+    RNG, restored per rank on resume) and its k-th chunk is its part of mini-batch k, so a mini-batch is the union
+    of every rank's k-th chunk (one process shuffles all rows instead: the same distribution of mini-batches, not
+    the same draw). Every rank runs the same micro-batches (equal shares; a mini-batch without tokens is skipped
+    only when no rank has any), as DDP needs; the gradient is synchronised once per mini-batch (``no_sync`` before
+    the last micro-batch).
     """
 
-    def __init__(self, accelerator: Any, model: Any, optimizer: Any, scheduler: Any, max_grad_norm: float | None):
+    def __init__(
+        self,
+        accelerator: Any,
+        model: Any,
+        optimizer: Any,
+        scheduler: Any,
+        max_grad_norm: float | None,
+        ranks: Ranks | None = None,
+    ):
         self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
         self.max_grad_norm = max_grad_norm
+        self.ranks = ranks
+
+    def _mini_batch(self, mask: torch.Tensor, rows: torch.Tensor) -> MiniBatch:
+        if self.ranks is None or not self.ranks.many:
+            return MiniBatch.local(rows, mask)
+        return MiniBatch(rows, self.ranks.gather_rows(mask[rows]), self.ranks.rank * len(rows))
 
     def run(
         self, batch: Batch, alg: AlgorithmConfig, micro: int, mask: torch.Tensor, loss_fn: LossFn, prefix: str
@@ -178,6 +234,7 @@ class Updater:
         sums: dict[str, list[Any]] = defaultdict(list)
         seen: torch.Tensor | None = None
         device = batch.responses.device
+        world = 1 if self.ranks is None else self.ranks.world
         # row order, lengths and which mini-batches have tokens live on the host: every micro-batch's shape is
         # known without asking the GPU, so the CPU queues micro-batches back to back (one sync per call)
         lengths = batch.response_length.long().cpu()
@@ -185,21 +242,32 @@ class Updater:
         for _ in range(alg.ppo_epochs):
             order = torch.randperm(len(lengths))
             order_on_device = (order.pin_memory() if device.type == "cuda" else order).to(device, non_blocking=True)
-            for mini_host, mini_rows in zip(
-                torch.tensor_split(order, alg.num_mini_batches),
-                torch.tensor_split(order_on_device, alg.num_mini_batches),
-                strict=True,
-            ):
-                if not bool(has_tokens[mini_host].any()):
+            minis = list(
+                zip(
+                    torch.tensor_split(order, alg.num_mini_batches),
+                    torch.tensor_split(order_on_device, alg.num_mini_batches),
+                    strict=True,
+                )
+            )
+            active = [bool(has_tokens[mini_host].any()) for mini_host, _ in minis]
+            if self.ranks is not None:
+                active = self.ranks.any(active)  # the same decision on every rank: DDP needs the same backwards
+            for (mini_host, mini_rows), has_any in zip(minis, active, strict=True):
+                if not has_any:
                     continue  # nothing to learn from (e.g. every sample truncated and masked)
+                mini_batch = self._mini_batch(mask, mini_rows)
                 mini: dict[str, Any] = defaultdict(float)
-                for start in range(0, len(mini_host), micro):
+                starts = range(0, len(mini_host), micro)
+                for start in starts:
                     pos = torch.arange(start, min(start + micro, len(mini_host)), device=device)
                     width = int(lengths[mini_host[start : start + micro]].max())
                     rows = mini_rows[pos]
-                    with autocast_forward(self.accelerator, self.model):
-                        part = loss_fn(rows, pos, mini_rows, width)
-                    self.accelerator.backward(part.loss)
+                    last = start == starts[-1]
+                    with nullcontext() if last or world == 1 else self.accelerator.no_sync(self.model):
+                        with autocast_forward(self.accelerator, self.model):
+                            part = loss_fn(rows, pos, mini_batch, width)
+                        # x world: DDP averages the ranks' gradients, the parts of a mini-batch aggregate add up
+                        self.accelerator.backward(part.loss if world == 1 else part.loss * world)
                     if part.logprobs is not None:
                         if seen is None:
                             seen = torch.full(batch.responses.shape, float("nan"), device=device)
@@ -213,9 +281,24 @@ class Updater:
                 self.optimizer.zero_grad(set_to_none=True)
                 for key, value in mini.items():
                     sums[key].append(value)
-        metrics = {f"{prefix}/{k}": float(sum(v)) / len(v) for k, v in sums.items()}
+        if world == 1:
+            metrics = {f"{prefix}/{k}": float(sum(v)) / len(v) for k, v in sums.items()}
+        else:
+            metrics = self._reduced(sums, prefix)
         metrics[f"{prefix}/lr"] = self.scheduler.get_last_lr()[0]
         return UpdateResult(metrics, seen)
+
+    def _reduced(self, sums: dict[str, list[Any]], prefix: str) -> dict[str, float]:
+        """Several processes: each rank's metrics are its rows' shares of the whole mini-batch's (the loss parts,
+        token-weighted means), so they add up over the ranks; the gradient norm is already global (DDP), the
+        same on every rank. One collective for all of them."""
+        assert self.ranks is not None
+        keys = sorted(sums)
+        device = self.accelerator.device
+        means = [torch.as_tensor(sum(sums[k]) / len(sums[k]), dtype=torch.float32, device=device) for k in keys]
+        totals = self.ranks.sum(torch.stack(means)).tolist() if keys else []
+        world = self.ranks.world
+        return {f"{prefix}/{k}": v / world if k == "grad_norm" else v for k, v in zip(keys, totals, strict=True)}
 
 
 def actor_loss_fn(
@@ -246,12 +329,12 @@ def actor_loss_fn(
     loss_cfg["clip_c"] = alg.clip_c
     assert batch.advantages is not None
 
-    def loss_fn(rows: torch.Tensor, pos: torch.Tensor, mini_rows: torch.Tensor, width: int | None = None) -> LossPart:
+    def loss_fn(rows: torch.Tensor, pos: torch.Tensor, mini: MiniBatch, width: int | None = None) -> LossPart:
         entropy_mode = "loss" if alg.entropy_coef > 0 else "metric"
         logprobs, entropy = policy_forward(model, batch, rows, temperature, entropy_mode, width)
         # one update per rollout batch: the old policy IS the current one, so no extra forward was spent
         old = batch.old_logprobs[rows] if batch.old_logprobs is not None else logprobs.detach()
-        mask, mini_mask = batch.loss_mask[rows], batch.loss_mask[mini_rows]
+        mask = batch.loss_mask[rows]
         per_token, pg_metrics = policy_loss(logprobs, old, batch.advantages[rows], mask, config=loss_cfg)
         trainer_logprobs = None
         if batch.sampler_logprobs is not None:
@@ -259,18 +342,18 @@ def actor_loss_fn(
             weights, is_metrics = correction(old, batch.sampler_logprobs[rows], mask, threshold=is_threshold)
             per_token = per_token * weights
             pg_metrics = {**pg_metrics, **is_metrics}
-        pg_loss = _part(agg, per_token, mini_mask, pos, max_len)
+        pg_loss = _part(agg, per_token, mini, pos, max_len)
         loss = pg_loss
-        share = mask.sum() / mini_mask.sum().clamp(min=1)  # token weight of masked-mean metrics (a tensor: no sync)
+        share = mask.sum() / mini.mask.sum().clamp(min=1)  # token weight of masked-mean metrics (a tensor: no sync)
         metrics = {"pg_loss": pg_loss.detach(), **{k: v * share for k, v in pg_metrics.items()}}
         metrics["entropy"] = masked_mean(entropy.detach(), mask) * share
         if alg.kl_loss_coef > 0:
             assert batch.ref_logprobs is not None
-            kl_loss = _part(agg, kl_fn(logprobs, batch.ref_logprobs[rows]), mini_mask, pos, max_len)
+            kl_loss = _part(agg, kl_fn(logprobs, batch.ref_logprobs[rows]), mini, pos, max_len)
             loss = loss + alg.kl_loss_coef * kl_loss
             metrics["kl_loss"] = kl_loss.detach()
         if alg.entropy_coef > 0:
-            loss = loss - alg.entropy_coef * _part(agg, entropy, mini_mask, pos, max_len)
+            loss = loss - alg.entropy_coef * _part(agg, entropy, mini, pos, max_len)
         metrics["loss"] = loss.detach()
         return LossPart(loss, metrics, trainer_logprobs)
 
@@ -285,14 +368,14 @@ def critic_loss_fn(critic: Any, batch: Batch, alg: AlgorithmConfig, max_len: int
     agg = LOSS_AGG.get(alg.loss_agg)
     assert batch.values is not None and batch.returns is not None
 
-    def loss_fn(rows: torch.Tensor, pos: torch.Tensor, mini_rows: torch.Tensor, width: int | None = None) -> LossPart:
+    def loss_fn(rows: torch.Tensor, pos: torch.Tensor, mini: MiniBatch, width: int | None = None) -> LossPart:
         values = value_forward(critic, batch, rows, width)
-        mask, mini_mask = batch.response_mask[rows], batch.response_mask[mini_rows]
+        mask = batch.response_mask[rows]
         per_token, metrics = value_loss(
             values, batch.values[rows], batch.returns[rows], mask, clip_range=alg.value_clip
         )
-        loss = _part(agg, per_token, mini_mask, pos, max_len)
-        share = mask.sum() / mini_mask.sum().clamp(min=1)
+        loss = _part(agg, per_token, mini, pos, max_len)
+        share = mask.sum() / mini.mask.sum().clamp(min=1)
         return LossPart(loss, {"vf_loss": loss.detach(), **{k: v * share for k, v in metrics.items()}})
 
     return loss_fn
