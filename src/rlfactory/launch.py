@@ -66,6 +66,10 @@ def close_process_group() -> None:
 
     torch = sys.modules.get("torch")  # not imported: nothing was set up
     if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        # every rank reaches here before any leaves: a rank that tore the group down while another was still in
+        # its last collective aborted that one ("terminate called without an active exception", seen once in CI-like
+        # load on 2 CPU processes)
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 
