@@ -49,6 +49,7 @@ from train_bench import SHAPES as TRAIN_SHAPES  # noqa: E402
 
 SHAPES = {
     "qwen2.5-0.5b": TRAIN_SHAPES["qwen2.5-0.5b"],
+    "qwen2.5-7b": TRAIN_SHAPES["qwen2.5-7b"],
     "tiny": dict(
         hidden_size=128,
         num_hidden_layers=2,
@@ -79,8 +80,11 @@ def make_model_dir(shape: str, out: Path) -> Path:
 
     torch.manual_seed(0)
     config = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, eos_token_id=2, pad_token_id=0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):  # initialised on the GPU: seconds for a 7B shape instead of minutes on the host
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(out)
+    del model
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (TINY / name).exists():
             shutil.copy(TINY / name, out / name)
@@ -216,7 +220,7 @@ def _grpo_cfg(args, model_dir: Path, out: Path, backend: str, sync: str, sleep: 
         "rollout": {
             "backend": backend,
             "lora_sync": sync,
-            "prompts_per_step": args.grpo_prompts,
+            "prompts_per_step": args.grpo_prompts * args.gpus,
             "num_samples": args.samples,
             "max_prompt_len": 256,
             "max_response_len": args.tokens,
@@ -226,6 +230,8 @@ def _grpo_cfg(args, model_dir: Path, out: Path, backend: str, sync: str, sleep: 
             "generation_batch_size": 512,
         },
         "reward": {"functions": {"answer_match": 1.0}},
+        # data parallel: one colocated engine per GPU, the same prompts per GPU (the step's prompts are split)
+        **({"distributed": {"num_processes": args.gpus}} if args.gpus > 1 else {}),
         "algorithm": {"adv_estimator": "grpo", "kl_loss_coef": 0.0, "loss_agg": "token-mean"},
         "train": {
             "max_steps": args.steps,
@@ -266,7 +272,10 @@ def case_grpo(args, model_dir: Path) -> dict:
     steps = records[args.warmup :]
     median = lambda key: _median([r[key] for r in steps if key in r])
     keys = sorted({k for r in steps for k in r if k.startswith(("timing_s/", "rollout/logprob", "rollout/prob"))})
-    step_s = _median(clock.intervals[args.warmup :])
+    # on several GPUs the CLI starts its own processes (the step clock above does not reach them): the log's own
+    # step time, which the scaling table uses for every GPU count alike
+    log_step_s = median("timing_s/step")
+    step_s = _median(clock.intervals[args.warmup :]) if args.gpus == 1 else log_step_s
     generated = median("rollout/generated_samples") or 0
     length = median("response_length/mean") or 0
     return {
@@ -277,6 +286,9 @@ def case_grpo(args, model_dir: Path) -> dict:
         "micro": args.micro,
         "compile": args.compile,
         "exit": code,
+        "gpus": args.gpus,
+        "log_step_s": log_step_s,
+        "log_tokens_per_s": median("perf/throughput"),
         "steps": len(steps),
         "step_s": round(step_s, 4) if step_s else None,
         "gen_tokens_per_s": round(generated * length / step_s, 1) if step_s else None,
@@ -384,6 +396,7 @@ def case_trl(args, model_dir: Path) -> dict:
     with PeakMemory() as memory:
         trainer.train()
     step_s = _median(clock.intervals[args.warmup :])
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # under accelerate launch: each process its own generation
     steps = [r for r in records if "completions/mean_length" in r][args.warmup :]
     length = _median([r["completions/mean_length"] for r in steps]) or 0
     kept = per_step[args.warmup :]
@@ -391,10 +404,11 @@ def case_trl(args, model_dir: Path) -> dict:
     return {
         "case": args.case,
         "impl": "trl",
+        "gpus": world,
         "gradient_checkpointing": not args.trl_no_gc,
         "steps": len(clock.intervals[args.warmup :]),
         "step_s": round(step_s, 4) if step_s else None,
-        "gen_tokens_per_s": round(args.grpo_prompts * args.samples * length / step_s, 1) if step_s else None,
+        "gen_tokens_per_s": round(world * args.grpo_prompts * args.samples * length / step_s, 1) if step_s else None,
         "response_length": length,
         "peak_device_gb": round(memory.peak / 2**30, 2),
         "intervals_s": [round(x, 4) for x in clock.intervals],
@@ -435,10 +449,12 @@ def table(results: list[dict]) -> str:
         for r in steps:
             if r["impl"] == "trl":
                 name = "TRL GRPOTrainer" + ("" if r.get("gradient_checkpointing") else " (no grad. ckpt)")
+                name += f", {r['gpus']} GPUs" if r.get("gpus", 1) > 1 else ""
                 parts = {k: r[f"trl_s/{k}"] for k in TRL_BREAKDOWN if r.get(f"trl_s/{k}") is not None}
                 diff = "-"
             else:
                 name = f"ours {r['impl']} {r['sync']} micro {r['micro']}" + (" +sleep" if r.get("sleep") else "")
+                name += f", {r['gpus']} GPUs" if r.get("gpus", 1) > 1 else ""
                 name += " +compile" if r.get("compile") else ""
                 parts = {k: r[f"timing_s/{k}"] for k in BREAKDOWN if r.get(f"timing_s/{k}") is not None}
                 mean, mx = r.get("rollout/logprob_diff_mean"), r.get("rollout/logprob_diff_max")
@@ -474,7 +490,11 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="vLLM without CUDA graphs (faster start)")
     parser.add_argument("--trl-no-gc", action="store_true", help="trl: also a run without gradient checkpointing")
     parser.add_argument("--impl", default=None, help="grpo/memory: rollout backend (vllm; hf for CPU smoke)")
+    parser.add_argument(
+        "--gpus", type=int, default=1, help="grpo/trl: GPUs (data parallel, one colocated vLLM engine each)"
+    )
     parser.add_argument("--out", default=None, help="append every result line (JSON) to this file")
+    parser.add_argument("--make-model", default=None, help="only write a random model of --shape to this dir")
     parser.add_argument("--log", default=None, help="append every case's stdout/stderr to this file")
     parser.add_argument("--case-timeout", type=int, default=420, help="seconds before a case is killed")
     # internal: one case in a subprocess
@@ -488,6 +508,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.one:
         return run_one(args)
+    if args.make_model:
+        return print(make_model_dir(args.shape, Path(args.make_model)))
     model_dir = make_model_dir(args.shape, Path(tempfile.mkdtemp()) / "model")
     impl = args.impl or "vllm"
     runs = []
@@ -511,20 +533,23 @@ def main() -> None:
         ]
     if "gen" in cases:
         runs += [["--case", "gen", "--impl", i] for i in ("vllm", "hf")]
-    keep = ("prompts", "grpo_prompts", "samples", "tokens", "steps", "warmup", "repeats", "gpu_mem")
+    keep = ("prompts", "grpo_prompts", "samples", "tokens", "steps", "warmup", "repeats", "gpu_mem", "gpus")
     passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keep]
     passthrough += ["--eager"] if args.eager else []
     results = []
     for extra in runs:
         cmd = [sys.executable, __file__, "--one", "--model-dir", str(model_dir), *passthrough, *extra]
+        if "trl" in extra and args.gpus > 1:  # TRL's multi-GPU path: accelerate launch (DDP), bf16
+            launch = ["-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={args.gpus}"]
+            launch += ["--mixed_precision=bf16"]
+            cmd = [sys.executable, *launch, *cmd[1:]]
         start = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.case_timeout)
             stdout, stderr, code = proc.stdout, proc.stderr, proc.returncode
         except subprocess.TimeoutExpired as exc:
-            stdout, stderr, code = exc.stdout or "", (exc.stderr or "") + "\nTIMEOUT", -9
-            stdout = stdout.decode() if isinstance(stdout, bytes) else stdout
-            stderr = stderr.decode() if isinstance(stderr, bytes) else stderr
+            text = lambda out: out.decode(errors="replace") if isinstance(out, bytes) else (out or "")  # noqa: E731
+            stdout, stderr, code = text(exc.stdout), text(exc.stderr) + "\nTIMEOUT", -9
         wall = round(time.perf_counter() - start, 1)
         if args.log:
             with open(args.log, "a") as f:

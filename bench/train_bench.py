@@ -17,7 +17,10 @@ max-autotune-no-cudagraphs / reduce-overhead), ``-decoder`` (the whole decoder c
 ``-mem`` (GPU memory after the forward, after the loss and at the backward's peak, per step).
 ``--profile`` writes each worker's kernel-time table (torch.profiler) to $OUT.
 
-Each (case, impl) runs in its own subprocess (a fresh CUDA context, so peak memory is its own).
+Each (case, impl) runs in its own subprocess (a fresh CUDA context, so peak memory is its own); with
+``--gpus 1,2`` each also runs on 2 GPUs through torchrun (DDP for both ours and TRL; the same per-GPU batch, so
+the global batch grows with the GPU count and tokens/s counts every GPU's tokens; TRL starts through
+``accelerate launch`` on GPUs).
 The model is a Qwen2.5-0.5B-shaped Qwen2 with random bf16 weights; every step trains on
 `batch` sequences (sft) or pairs (dpo, rm) of `seq` random tokens, all full length, so padding costs
 nothing and "padded" equals "packed" in work. A pair is a shared prompt of seq/4 tokens and two
@@ -35,6 +38,7 @@ import contextlib
 import functools
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -51,6 +55,17 @@ SHAPES = {
         intermediate_size=4864,
         vocab_size=151936,
         tie_word_embeddings=True,
+    ),
+    # a model that does not fit one GPU for full fine-tuning with AdamW (7.6B parameters x 16 bytes of bf16
+    # weights and gradients, fp32 master weights and two moments = 122 GB): the ZeRO-3 / FSDP2 runs
+    "qwen2.5-7b": dict(
+        hidden_size=3584,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        intermediate_size=18944,
+        vocab_size=152064,
+        tie_word_embeddings=False,
     ),
     "tiny": dict(
         hidden_size=64,
@@ -318,7 +333,10 @@ def run_trl(args, model, tokenizer, sequences, out: str) -> tuple[list[float], l
             task_type=task,
             modules_to_save=["score"] if task == "SEQ_CLS" else None,
         )
+    flags = set(args.impl.split("_")[1:])  # trl_<packing>[_liger][_compile]: TRL's own switches
     common = dict(
+        use_liger_kernel="liger" in flags,
+        torch_compile="compile" in flags,
         output_dir=out,
         per_device_train_batch_size=args.batch,
         max_steps=args.warmup + args.steps,
@@ -361,13 +379,12 @@ def run_trl(args, model, tokenizer, sequences, out: str) -> tuple[list[float], l
     else:
         from trl import SFTConfig, SFTTrainer
 
-        packing = args.impl.removeprefix("trl_").removesuffix("_liger")
+        packing = next((f for f in ("wrapped", "bfd", "padded") if f in flags), "padded")
         config = SFTConfig(
             **common,
             packing=packing != "padded",
             packing_strategy="wrapped" if packing == "wrapped" else "bfd",
             padding_free=packing == "bfd",
-            use_liger_kernel=args.impl.endswith("_liger"),
         )
         dataset, trainer_cls = Dataset.from_dict({"input_ids": sequences}), SFTTrainer
     if peft_config is not None:  # the adapter made here, seeded as ours, so both start from the same weights
@@ -387,11 +404,15 @@ def run_trl(args, model, tokenizer, sequences, out: str) -> tuple[list[float], l
 def worker(args) -> None:
     import torch
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun: one process per GPU
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     model = build_model(args.shape, args.device, args.case)
     n_params = sum(p.numel() for p in model.parameters())
     tokenizer = build_tokenizer(SHAPES[args.shape]["vocab_size"])
     rows = args.batch * (1 if args.case.startswith("sft") else 2)  # a pair is two sequences
-    sequences = random_sequences(rows * (args.warmup + args.steps + 1), args.seq, SHAPES[args.shape]["vocab_size"])
+    vocab = SHAPES[args.shape]["vocab_size"]
+    sequences = random_sequences(rows * world * (args.warmup + args.steps + 1), args.seq, vocab)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     runner = run_ours if args.impl.startswith("ours") else run_trl
@@ -401,8 +422,11 @@ def worker(args) -> None:
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
         profiler = profile(activities=activities)
-    with tempfile.TemporaryDirectory() as out, profiler:
+    # every process writes into the same output_dir (the parent's, under torchrun), as a real run does
+    with contextlib.nullcontext(args.out) if args.out else tempfile.TemporaryDirectory() as out, profiler:
         steps, losses = runner(args, model, tokenizer, sequences, out)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
     if args.profile:
         path = Path(os.environ.get("OUT", ".")) / f"profile_{args.case}_{args.impl}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -414,16 +438,17 @@ def worker(args) -> None:
         # the whole run: the compile's tuning kernels and the final save's copies are in it too
         path.write_text(f"{args.warmup + args.steps} steps, compile and final save included\n{table}")
     step_s = statistics.median(steps)
-    tokens_per_s = rows * args.seq / step_s
+    tokens_per_s = rows * world * args.seq / step_s
     print(
         "RESULT "
         + json.dumps(
             {
                 "case": args.case,
                 "impl": args.impl,
+                "gpus": world,
                 "step_s": round(step_s, 4),
                 "tokens_per_s": round(tokens_per_s),
-                "mfu": round(6 * n_params * tokens_per_s / PEAK_FLOPS, 4),
+                "mfu": round(6 * n_params * tokens_per_s / world / PEAK_FLOPS, 4),
                 "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None,
                 "timed_steps": len(steps),
                 "losses": [round(x, 5) for x in losses[:6]],
@@ -444,7 +469,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--profile", action="store_true", help="torch.profiler kernel table per worker, to $OUT")
+    parser.add_argument("--gpus", default="1", help="GPU counts to run each case on, e.g. 1,2,4 (torchrun, DDP)")
     parser.add_argument("--worker", nargs=2, metavar=("CASE", "IMPL"))
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)  # a worker's output_dir, shared by ranks
     args = parser.parse_args()
     import torch
 
@@ -454,48 +481,65 @@ def main() -> None:
         worker(args)
         return
     rows = []
-    for case in args.cases.split(","):
-        for impl in args.impls.split(","):
-            cmd = [
-                sys.executable,
-                __file__,
-                "--worker",
-                case,
-                impl,
-                "--shape",
-                args.shape,
-                "--batch",
-                str(args.batch),
-                "--seq",
-                str(args.seq),
-                "--steps",
-                str(args.steps),
-                "--warmup",
-                str(args.warmup),
-                "--lr",
-                str(args.lr),
-                *(["--profile"] if args.profile else []),
-            ]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-            if not lines:
-                print(f"{case}/{impl} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
-                continue
-            for line in [ln for ln in proc.stderr.splitlines() if ln.startswith("MEM ")][-3:]:
-                print(f"{case}/{impl} {line}", flush=True)
-            rows.append(json.loads(lines[-1][7:]))
-            print(json.dumps(rows[-1]), flush=True)
-    print("\n| case | impl | step s | tokens/s | MFU | peak GB | vs best TRL |\n|---|---|---|---|---|---|---|")
+    runs = [(c, i, int(g)) for c in args.cases.split(",") for i in args.impls.split(",") for g in args.gpus.split(",")]
+    for case, impl, gpus in runs:
+        out = tempfile.mkdtemp()
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"] if gpus > 1 else []
+        if gpus > 1 and impl.startswith("trl") and args.device == "cuda":  # TRL as its docs run it on several GPUs
+            launcher = ["-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={gpus}"]
+            launcher += ["--mixed_precision=bf16"]
+        cmd = [
+            sys.executable,
+            *launcher,
+            __file__,
+            "--out",
+            out,
+            "--worker",
+            case,
+            impl,
+            "--shape",
+            args.shape,
+            "--batch",
+            str(args.batch),
+            "--seq",
+            str(args.seq),
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--lr",
+            str(args.lr),
+            *(["--profile"] if args.profile else []),
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        shutil.rmtree(out, ignore_errors=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if not lines:
+            print(f"{case}/{impl}/{gpus} GPUs failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+            continue
+        for line in [ln for ln in proc.stderr.splitlines() if ln.startswith("MEM ")][-3:]:
+            print(f"{case}/{impl} {line}", flush=True)
+        rows.append(json.loads(lines[-1][7:]))
+        print(json.dumps(rows[-1]), flush=True)
+    print(
+        "\n| case | impl | GPUs | step s | tokens/s | MFU per GPU | peak GB (rank 0) | vs best TRL | vs 1 GPU |"
+        "\n|---|---|---|---|---|---|---|---|---|"
+    )
     for row in rows:
-        trl = [r["tokens_per_s"] for r in rows if r["case"] == row["case"] and r["impl"].startswith("trl")]
+        same = [r for r in rows if r["case"] == row["case"] and r["gpus"] == row["gpus"]]
+        trl = [r["tokens_per_s"] for r in same if r["impl"].startswith("trl")]
         ratio = f"{row['tokens_per_s'] / max(trl):.2f}x" if trl else "-"
+        one = [r for r in rows if (r["case"], r["impl"], r["gpus"]) == (row["case"], row["impl"], 1)]
+        scaling = f"{row['tokens_per_s'] / one[0]['tokens_per_s']:.2f}x" if one and row["gpus"] > 1 else "-"
         print(
-            f"| {row['case']} | {row['impl']} | {row['step_s']} | {row['tokens_per_s']} | {row['mfu']:.1%} | "
-            f"{row['peak_mem_gb']} | {ratio} |"
+            f"| {row['case']} | {row['impl']} | {row['gpus']} | {row['step_s']} | {row['tokens_per_s']} | "
+            f"{row['mfu']:.1%} | {row['peak_mem_gb']} | {ratio} | {scaling} |"
         )
     print("\nfirst losses (ours vs each TRL impl, max |difference| over the shared steps):")
     for ours in [r for r in rows if r["impl"] == "ours"]:
-        for trl in [r for r in rows if r["case"] == ours["case"] and r["impl"].startswith("trl")]:
+        for trl in [
+            r for r in rows if (r["case"], r["gpus"]) == (ours["case"], ours["gpus"]) and r["impl"].startswith("trl")
+        ]:
             diff = max((abs(a - b) for a, b in zip(ours["losses"], trl["losses"], strict=False)), default=float("nan"))
             print(f"{ours['case']}: ours {ours['losses']} | {trl['impl']} {trl['losses']} | max diff {diff:.2e}")
 

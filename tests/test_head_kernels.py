@@ -125,3 +125,26 @@ def test_two_sft_runs_in_one_process_each_use_their_own_kernels(tmp_path: Path, 
     assert compiled_calls > 0 and len(seen) > compiled_calls
     assert set(seen[:compiled_calls]) == {HeadKernels(compiled=True)}
     assert set(seen[compiled_calls:]) == {HeadKernels()}
+
+
+def test_a_zero3_partitioned_head_takes_the_full_logits_path_with_the_same_values():
+    """Under ZeRO-3 the head weight is an empty shard outside its forward (marked ``ds_id``): the chunked head
+    must not read it, and the full-logits fallback gives the same NLL sum and log-probs (float64)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlfactory.model.lm_head import lm_parts, next_token_logps, nll_sum
+
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float64)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[:, :4] = -100
+    mask = torch.zeros(ids.shape, dtype=torch.bool)
+    mask[:, 3:-1] = True
+    inputs = {"input_ids": ids}
+    assert lm_parts(model) is not None
+    chunked = nll_sum(model, inputs, labels), next_token_logps(model, inputs, mask)
+    model.get_output_embeddings().weight.ds_id = 7  # what deepspeed.zero sets on a partitioned parameter
+    assert lm_parts(model) is None
+    full = nll_sum(model, inputs, labels), next_token_logps(model, inputs, mask)
+    torch.testing.assert_close(full[0], chunked[0].to(full[0].dtype), rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(full[1], chunked[1].to(full[1].dtype), rtol=1e-6, atol=1e-9)

@@ -3,10 +3,11 @@ positions only (``algos.common.linear_token_logprobs``).
 
 The call still goes through the outer model (DDP, PEFT, a compiled layer stack), but asks for one position of
 logits (``logits_to_keep=1``) and takes the decoder's last hidden state from a forward hook. dpo, kto, orpo
-and the reference pass use it; a model without a decoder/head split (or a head with a bias) falls back to
-its full logits. sft's loss, a plain token sum, goes the same way through ``nll_sum`` (gradients formed in
-the forward, ``algos.common.linear_nll_sum``). Both take the run's ``HeadKernels`` (compiled chunk, Liger's
-log-prob kernel, rows per chunk), decided once from the config by ``model.loader.head_kernels``.
+and the reference pass use it; a model without a decoder/head split (or a head with a bias, or a ZeRO-3
+partitioned head) falls back to its full logits. sft's loss, a plain token sum, goes the same way through
+``nll_sum`` (gradients formed in the forward, ``algos.common.linear_nll_sum``). Both take the run's
+``HeadKernels`` (compiled chunk, Liger's log-prob kernel, rows per chunk), decided once from the config by
+``model.loader.head_kernels``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,14 @@ def lm_parts(model: Any) -> tuple[Any, Any] | None:
     if not hasattr(base, "get_decoder") or "logits_to_keep" not in inspect.signature(base.forward).parameters:
         return None
     head = base.get_output_embeddings()
-    return (base.get_decoder(), head) if head is not None and getattr(head, "bias", None) is None else None
+    if head is None or getattr(head, "bias", None) is not None:
+        return None
+    # ZeRO-3 keeps each weight partitioned outside its module's forward (an empty local tensor, ``ds_id`` set):
+    # the chunked head would read that empty shard, so such a model returns its full logits instead. (FSDP2's
+    # root module, which owns the head, stays unsharded from its forward to its backward, so it keeps the split.)
+    if hasattr(head.weight, "ds_id"):
+        return None
+    return base.get_decoder(), head
 
 
 def _final_hidden(model: Any, decoder: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
