@@ -229,6 +229,7 @@ def run_ours(args, model, tokenizer, sequences, out: str) -> tuple[list[float], 
             "train": {
                 "max_steps": args.warmup + args.steps,
                 "per_device_batch_size": args.batch,
+                "grad_accum_steps": args.accum,
                 "learning_rate": args.lr,
                 "lr_scheduler": "constant",
                 "mixed_precision": "bf16" if args.device == "cuda" else "no",
@@ -339,6 +340,7 @@ def run_trl(args, model, tokenizer, sequences, out: str) -> tuple[list[float], l
         torch_compile="compile" in flags,
         output_dir=out,
         per_device_train_batch_size=args.batch,
+        gradient_accumulation_steps=args.accum,
         max_steps=args.warmup + args.steps,
         learning_rate=args.lr,
         lr_scheduler_type="constant",
@@ -410,7 +412,7 @@ def worker(args) -> None:
     model = build_model(args.shape, args.device, args.case)
     n_params = sum(p.numel() for p in model.parameters())
     tokenizer = build_tokenizer(SHAPES[args.shape]["vocab_size"])
-    rows = args.batch * (1 if args.case.startswith("sft") else 2)  # a pair is two sequences
+    rows = args.batch * args.accum * (1 if args.case.startswith("sft") else 2)  # a pair is two sequences
     vocab = SHAPES[args.shape]["vocab_size"]
     sequences = random_sequences(rows * world * (args.warmup + args.steps + 1), args.seq, vocab)
     if args.device == "cuda":
@@ -464,6 +466,7 @@ def main() -> None:
     parser.add_argument("--impls", default="ours,trl_padded,trl_wrapped")
     parser.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (one all-reduce each)")
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
@@ -501,6 +504,8 @@ def main() -> None:
             args.shape,
             "--batch",
             str(args.batch),
+            "--accum",
+            str(args.accum),
             "--seq",
             str(args.seq),
             "--steps",
@@ -511,7 +516,13 @@ def main() -> None:
             str(args.lr),
             *(["--profile"] if args.profile else []),
         ]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        # exactly `gpus` GPUs visible: TRL's Trainer would otherwise spread one process over all (nn.DataParallel)
+        env = {
+            **os.environ,
+            "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(32)))),
+        }
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(env["CUDA_VISIBLE_DEVICES"].split(",")[:gpus])
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         shutil.rmtree(out, ignore_errors=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if not lines:
