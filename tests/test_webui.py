@@ -228,9 +228,12 @@ def run_state(workdir: Path, output_dir: str) -> dict:
 
 # --------------------------------------------------------------------------- tests
 def test_quickstart_start_to_finish(page, app_url):
-    """Fill the quickstart form, preview the data, Start: the loss chart and the final status appear."""
+    """Fill the quickstart form (on 2 processes), preview the data, Start: the loss chart and the final status
+    appear; the run was launched on 2 processes and wrote its model once."""
     _, workdir = app_url
     fill_quickstart(page, "outputs/quickstart-sft", max_steps=4)
+    open_section(page, "distributed")  # the GPU-count choice: 2 processes (gloo on a CPU machine) via torchrun
+    set_field(page, "distributed.num_processes", 2)
     page.locator("#preview-accordion .label-wrap").first.click()
     page.locator("#preview-show").click()
     expect(page.locator("#preview-html mark.trained").first).to_be_visible(timeout=30_000)
@@ -239,7 +242,8 @@ def test_quickstart_start_to_finish(page, app_url):
     box(page, "save-path").fill("saved/quick.yaml")
     page.locator("#btn-save").click()
     expect(page.locator("#train-message")).to_contain_text("saved saved/quick.yaml", timeout=20_000)
-    assert yaml.safe_load((workdir / "saved/quick.yaml").read_text())["train"]["max_steps"] == 4
+    saved = yaml.safe_load((workdir / "saved/quick.yaml").read_text())
+    assert saved["train"]["max_steps"] == 4 and saved["distributed"]["num_processes"] == 2
 
     start_run(page)
     expect(page.locator("#monitor-status")).to_contain_text("finished", timeout=RUN_TIMEOUT_MS)
@@ -252,6 +256,8 @@ def test_quickstart_start_to_finish(page, app_url):
     page.wait_for_timeout(1500)  # let the charts finish drawing
     shot(page, "monitor.png")
     assert (workdir / "outputs/quickstart-sft/run_summary.json").is_file()
+    log = (workdir / "outputs/quickstart-sft/webui_run.log").read_text()
+    assert "x 2 process(es)" in log and log.count("saved full model") == 1  # two processes, one writer
     assert yaml.safe_load((workdir / "outputs/quickstart-sft/webui_run.yaml").read_text())["train"]["max_steps"] == 4
 
 
