@@ -298,6 +298,7 @@ def test_config_check_reads_a_sample_back_and_says_when_turns_train_apart(tmp_pa
     assert "it rewrites earlier turns, so 8 of them train one sequence per rewritten turn" in result.stdout
 
 
+@pytest.mark.slow
 def test_qwen3_multi_turn_and_tool_conversations_train(tmp_path):
     """A short sft run through the CLI with Qwen3's own template on multi-turn chats and tool conversations: every
     turn trained in its own context, the loss goes down."""
@@ -323,3 +324,50 @@ def test_qwen3_multi_turn_and_tool_conversations_train(tmp_path):
     log = [json.loads(line) for line in (tmp_path / "out" / "trainer_log.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in log if "loss" in r]
     assert len(losses) == 6 and losses[-1] < losses[0]
+
+
+def test_qwen3_multi_turn_rollout_runs_a_tool_and_keeps_each_turn_as_sampled(toks):
+    """Multi-turn RL with Qwen3's own template (was refused: it rewrites a call turn once the result follows): the
+    agent loop runs the call, splices the result as Qwen3 writes it, and trains each turn exactly as sampled."""
+    from tests.test_agent import ScriptedBackend
+
+    from rlfactory.config.schema import ToolSpec
+    from rlfactory.envs.factory import build_env_factory
+    from rlfactory.rollout.agent import AgentLoop, AgentSettings
+    from rlfactory.rollout.base import SamplingParams
+    from rlfactory.tasks.arith_tools import CALCULATOR_SCHEMA
+    from rlfactory.tools.execute import ExecLimits
+    from rlfactory.tools.spec import load_tools
+
+    tok = toks["qwen3"]
+    think = "<think>\n\n</think>\n\n"
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 + 7"}}\n</tool_call>'
+    script = [think + call, think + "The answer is 19."]
+    messages = [{"role": "user", "content": "Q1: what is 12 + 7?"}]
+    example = {"messages": messages, "tools": [CALCULATOR_SCHEMA], "answer": "19",
+               "prompt_ids": render_prompt(tok, messages, [CALCULATOR_SCHEMA])}
+    calc = load_tools([ToolSpec(function="calculator")])
+    factory = build_env_factory("tools", calc, ExecLimits(), {})
+    loop = AgentLoop(ScriptedBackend(tok, {"Q1": script}), tok, calc, AgentSettings(4), factory)
+    [res] = loop.run([example], SamplingParams(200))
+    assert res.finish == "answer" and len(res.turns) == 2 and res.turns[0]["calls"][0]["result"] == "19"
+    ids, mask = res.completion.token_ids, res.completion.mask
+    trained = [t for t, m in zip(ids, mask, strict=True) if m]
+    assert tok.decode(trained) == "".join(turn + "<|im_end|>" for turn in script)
+    assert tok.decode([t for t, m in zip(ids, mask, strict=True) if not m]) == (
+        "\n<|im_start|>user\n<tool_response>\n19\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_bundled_llama3_template_keeps_schemas_without_a_system_message():
+    """The read-back found the bundled llama3 template writing tool schemas only into a system message."""
+    from tests.test_render import CONVERSATION
+    from tests.test_render import TOOLS as CALC
+
+    from rlfactory.render.templates import get_template
+
+    tok = load_tokenizer(ModelConfig(name_or_path=str(TINY_MODEL)))
+    tok.add_special_tokens({"additional_special_tokens": MODELS["llama3"][1]})
+    tok.chat_template, tok.end_of_turn = get_template("llama3").jinja, "<|eot_id|>"
+    [item] = render_sft(tok, CONVERSATION[1:], CALC)  # no system message: the schemas get a system turn
+    assert '"description": "Evaluate arithmetic."' in tok.decode(item["input_ids"])

@@ -12,7 +12,7 @@ is never trained.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from rlfactory.errors import UserError
@@ -58,9 +58,8 @@ def _lost(template: str, what: str, value: Any, where: str) -> UserError:
     )
 
 
-def _missing_in_message(message: dict[str, Any], rendered: str) -> tuple[str, Any] | None:
-    """(what, value) of the first part of ``message`` missing from ``rendered``, or None."""
-    squashed = _squash(rendered)
+def _missing_in_message(message: dict[str, Any], squashed: str) -> tuple[str, Any] | None:
+    """(what, value) of the first part of ``message`` missing from ``squashed`` (the render, no whitespace)."""
     for key in ("content", "reasoning_content"):
         value = message.get(key)
         if isinstance(value, str) and value.strip() and not _kept(value, squashed):
@@ -77,15 +76,16 @@ def _missing_in_message(message: dict[str, Any], rendered: str) -> tuple[str, An
 
 def check_turn(template: str, message: dict[str, Any], index: int, generated: str) -> None:
     """An assistant turn's text and calls must be in what it is trained on (its own generated text)."""
-    missing = _missing_in_message(message, generated)
+    missing = _missing_in_message(message, _squash(generated))
     if missing is not None:
         raise _lost(template, missing[0], missing[1], f"message {index} (assistant)")
 
 
-def check_kept(template: str, messages: list[dict], indices: Iterable[int], rendered: str) -> None:
+def check_kept(template: str, messages: list[dict], indices: range, rendered: str) -> None:
     """Messages that are not trained turns (system, user, tool) must be in the text rendered up to them."""
+    squashed = _squash(rendered) if indices else ""
     for index in indices:
-        missing = _missing_in_message(messages[index], rendered)
+        missing = _missing_in_message(messages[index], squashed)
         if missing is not None:
             raise _lost(template, missing[0], missing[1], f"message {index} ({messages[index]['role']})")
 

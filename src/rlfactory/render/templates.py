@@ -46,6 +46,8 @@ _CHATML = (
 
 _LLAMA3 = (
     "{{ bos_token }}"
+    "{% if tools and messages[0].role != 'system' %}"  # schemas need a system turn to live in
+    "<|start_header_id|>system<|end_header_id|>\n\nTools: {{ tools | tojson }}<|eot_id|>{% endif %}"
     "{% for message in messages %}"
     "{% set role = 'ipython' if message.role == 'tool' else message.role %}"
     "<|start_header_id|>{{ role }}<|end_header_id|>\n\n"
