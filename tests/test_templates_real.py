@@ -371,3 +371,43 @@ def test_bundled_llama3_template_keeps_schemas_without_a_system_message():
     tok.chat_template, tok.end_of_turn = get_template("llama3").jinja, "<|eot_id|>"
     [item] = render_sft(tok, CONVERSATION[1:], CALC)  # no system message: the schemas get a system turn
     assert '"description": "Evaluate arithmetic."' in tok.decode(item["input_ids"])
+
+
+def test_train_refuses_rows_the_template_rejects_before_writing_anything(tmp_path):
+    """Mistral with LLaMA-Factory-style glaive rows (calls without ids) was a raw TemplateError traceback (exit 1)."""
+    from tests.conftest import expect_train_error
+
+    model = save_model_tokenizer("mistral", tmp_path / "mistral")
+    cfg = {"stage": "sft", "output_dir": str(tmp_path / "out"), "model": {"name_or_path": str(model)},
+           "data": {"dataset": "arith_tool_sft_glaive", "dataset_dir": str(DATA_DIR), "max_samples": 4}}
+    expect_train_error(tmp_path, cfg, "arith_tool_sft_glaive:1: the chat template of '", "Tool call IDs should be",
+                       "needs every tool call to carry an `id` of 9 letters or digits")
+
+
+@pytest.mark.slow
+def test_qwen3_dpo_on_multi_turn_prompts_trains(tmp_path):
+    """DPO with Qwen3's own template on prompts that carry earlier turns (Qwen3 rewrites them): each pair is one
+    prompt as Qwen3 renders it at the response, then the chosen or rejected turn."""
+    import shutil
+
+    model = tmp_path / "tiny-qwen3"
+    shutil.copytree(TINY_MODEL, model)
+    save_model_tokenizer("qwen3", model)
+    rows = [{"messages": CHAT[:4], "chosen": [{"role": "assistant", "content": f"4 * 3 = 12. The answer is 12.{i}"}],
+             "rejected": [{"role": "assistant", "content": f"The answer is 7.{i}"}]} for i in range(8)]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "data" / "dataset_info.yaml").write_text(
+        "pairs:\n  file_name: pairs.jsonl\n  formatting: openai\n  ranking: true\n"
+        "  columns: {messages: messages, chosen: chosen, rejected: rejected}\n"
+    )
+    cfg = {"stage": "dpo", "output_dir": str(tmp_path / "out"), "seed": 0,
+           "model": {"name_or_path": str(model), "finetuning": "lora"}, "lora": {"r": 8, "alpha": 16},
+           "data": {"dataset": "pairs", "dataset_dir": str(tmp_path / "data"), "cutoff_len": 256},
+           "train": {"max_steps": 4, "per_device_batch_size": 8, "learning_rate": 3e-3},
+           "evaluation": {"dataset": None}, "logging": {"logging_steps": 1, "progress_bar": False, "plot_loss": False}}
+    result = run_cli("train", str(write_yaml(tmp_path / "run.yaml", cfg)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = [json.loads(line) for line in (tmp_path / "out" / "trainer_log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in log if "loss" in r]
+    assert len(losses) == 4 and losses[-1] < losses[0]
