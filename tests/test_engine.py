@@ -33,7 +33,7 @@ def test_packed_equals_padded_and_documents_do_not_attend_across():
     tokenizer = load_tokenizer(ModelConfig(name_or_path=str(TINY_MODEL)))
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float32, attn_implementation="sdpa").eval()
     examples = load_examples(["arith_sft"], "sft", str(DATA_DIR), max_samples=6)
-    items = [render_sft(tokenizer, e["messages"]) for e in examples]
+    items = [render_sft(tokenizer, e["messages"])[0] for e in examples]
     with torch.no_grad():
         padded_loss, _ = sft.nll_sum(model, sft.collate_padded(tokenizer.pad_token_id)(items))
         packed_batch = sft.collate_packed(items)
@@ -64,7 +64,7 @@ def test_lora_under_autocast_saves_no_float32_copies_of_adapter_inputs():
     model = apply_lora(base, LoraConfig(r=8, alpha=16, dropout=0.0, target_modules="all-linear"), False)
     assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
     examples = load_examples(["arith_sft"], "sft", str(DATA_DIR), max_samples=4)
-    batch = sft.collate_padded(tokenizer.pad_token_id)([render_sft(tokenizer, e["messages"]) for e in examples])
+    batch = sft.collate_padded(tokenizer.pad_token_id)([render_sft(tokenizer, e["messages"])[0] for e in examples])
     AcceleratorState._reset_state(reset_partial_state=True)  # a process-wide singleton: bf16 only for this test
     accelerator = Accelerator(cpu=True, mixed_precision="bf16")
 

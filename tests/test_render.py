@@ -49,7 +49,7 @@ def test_segments_cover_the_template_text_exactly(tokenizer):
 
 
 def test_three_turn_masks_are_token_exact(tokenizer):
-    item = render_sft(tokenizer, CONVERSATION, TOOLS)
+    [item] = render_sft(tokenizer, CONVERSATION, TOOLS)
     spans = _trained_spans(item["input_ids"], item["labels"])
     expected = [
         'Let me compute.\n<tool_call>\n{"name": "calc", "arguments": {"expr": "17*3"}}\n</tool_call><|im_end|>',
@@ -62,16 +62,17 @@ def test_three_turn_masks_are_token_exact(tokenizer):
 
 
 def test_train_on_last_assistant_and_all(tokenizer):
-    last = render_sft(tokenizer, CONVERSATION, TOOLS, train_on="last_assistant")
+    [last] = render_sft(tokenizer, CONVERSATION, TOOLS, train_on="last_assistant")
     assert [tokenizer.decode(s) for s in _trained_spans(last["input_ids"], last["labels"])] == [
         "51 + 1 = 52. The answer is 52.<|im_end|>"
     ]
-    everything = render_sft(tokenizer, CONVERSATION, TOOLS, train_on="all")
+    [everything] = render_sft(tokenizer, CONVERSATION, TOOLS, train_on="all")
     assert everything["labels"] == everything["input_ids"]
 
 
 def test_prompt_is_a_prefix_of_the_training_sequence(tokenizer):
-    full = render_sft(tokenizer, CONVERSATION, TOOLS)["input_ids"]
+    [full] = render_sft(tokenizer, CONVERSATION, TOOLS)
+    full = full["input_ids"]
     for end in (2, 4, 6):  # after the user turn, after the tool result, after the second user turn
         prompt = render_prompt(tokenizer, CONVERSATION[:end], TOOLS)
         assert full[: len(prompt)] == prompt
@@ -86,13 +87,13 @@ def test_continuation_masks_tool_results(tokenizer):
 
 
 def test_truncation(tokenizer):
-    item = render_sft(tokenizer, CONVERSATION, TOOLS)
+    [item] = render_sft(tokenizer, CONVERSATION, TOOLS)
     n = len(item["input_ids"])
-    cut = render_sft(tokenizer, CONVERSATION, TOOLS, cutoff_len=n - 5)
+    [cut] = render_sft(tokenizer, CONVERSATION, TOOLS, cutoff_len=n - 5)
     assert cut["input_ids"] == item["input_ids"][: n - 5] and cut["labels"] == item["labels"][: n - 5]
-    assert render_sft(tokenizer, CONVERSATION, TOOLS, cutoff_len=n - 5, truncation="drop") is None
+    assert render_sft(tokenizer, CONVERSATION, TOOLS, cutoff_len=n - 5, truncation="drop") == [None]
     # cut inside the system prompt: nothing left to train on -> dropped
-    assert render_sft(tokenizer, CONVERSATION, TOOLS, cutoff_len=10) is None
+    assert render_sft(tokenizer, CONVERSATION, TOOLS, cutoff_len=10) == [None]
 
 
 def test_tokenizer_without_template_needs_a_named_one(tmp_path):
@@ -103,14 +104,14 @@ def test_tokenizer_without_template_needs_a_named_one(tmp_path):
     with pytest.raises(UserError, match="has no chat template; set model.template to one of: chatml"):
         load_tokenizer(ModelConfig(name_or_path=str(tmp_path)))
     named = load_tokenizer(ModelConfig(name_or_path=str(tmp_path), template="chatml"))
-    item = render_sft(named, CONVERSATION, TOOLS)
+    [item] = render_sft(named, CONVERSATION, TOOLS)
     spans = [named.decode(s) for s in _trained_spans(item["input_ids"], item["labels"])]
     assert spans[-1] == "51 + 1 = 52. The answer is 52.<|im_end|>" and len(spans) == 3
     with pytest.raises(UserError, match="unknown model.template 'chatm'.*did you mean 'chatml'"):
         load_tokenizer(ModelConfig(name_or_path=str(tmp_path), template="chatm"))
 
 
-def test_non_prefix_stable_template_is_refused():
+def test_history_rewriting_template_trains_each_turn_in_its_own_context():
     tokenizer = load_tokenizer(ModelConfig(name_or_path=str(TINY_MODEL)))
     # a template that rewrites history (drops earlier assistant turns, like some reasoning templates)
     tokenizer.chat_template = (
@@ -118,5 +119,18 @@ def test_non_prefix_stable_template_is_refused():
         "{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
-    with pytest.raises(UserError, match="not prefix-stable"):
-        render_sft(tokenizer, CONVERSATION[:2] + [CONVERSATION[4]] + CONVERSATION[5:], None)
+    messages = CONVERSATION[:2] + [CONVERSATION[4]] + CONVERSATION[5:]
+    items = render_sft(tokenizer, messages, None)
+    # one sequence per turn: the prompt as the template renders it at that turn, then that turn
+    expected_prompts = [messages[:2], [*messages[:2], messages[3]]]
+    assert len(items) == 2
+    for item, prompt, turn in zip(items, expected_prompts, (messages[2], messages[4]), strict=True):
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        expected = tokenizer.encode(text + turn["content"] + "<|im_end|>", add_special_tokens=False)
+        assert item["input_ids"][: len(expected)] == expected  # then only the template's untrained trailing "\n"
+        assert tokenizer.decode(item["input_ids"][len(expected) :]) in ("", "\n")
+        [span] = _trained_spans(item["input_ids"], item["labels"])
+        assert tokenizer.decode(span) == turn["content"] + "<|im_end|>"
+    # the prompt of the last turn is a prefix of the sequence that trains it
+    prompt = render_prompt(tokenizer, messages[:4])
+    assert items[1]["input_ids"][: len(prompt)] == prompt

@@ -153,7 +153,7 @@ def test_openai_and_glaive_tool_data_render_identically_for_sft_and_dpo():
         roles = [m["role"] for m in example["messages"]]
         assert roles == ["system", "user", "assistant", "tool", "assistant"]
         assert example["messages"][2]["tool_calls"][0]["function"]["name"] == "calculator"
-        item = render_sft(tok, example["messages"], example["tools"])
+        [item] = render_sft(tok, example["messages"], example["tools"])
         trained = tok.decode([t for t, label in zip(item["input_ids"], item["labels"], strict=True) if label >= 0])
         assert "<tool_call>" in trained and "<tool_response>" not in trained  # the tool result is not trained
     # the same conversation in both styles gives the same tokens (the glaive row rebuilt from an OpenAI row)

@@ -602,7 +602,7 @@ def test_preview_highlights_exactly_the_trained_tokens():
     assert page == 1 and "sft: examples 4–5 of 5" in body
     example = load_examples(["arith_sft"], "sft", str(DATA_DIR), 5)[3]
     tokenizer = preview._tokenizer(str(TINY_MODEL), None)
-    labels = render_sft(tokenizer, example["messages"])["labels"]
+    labels = render_sft(tokenizer, example["messages"])[0]["labels"]
     first_block = body.split('<div class="rf-example">')[1]
     marked = "".join(re.findall(r'<mark class="trained">(.*?)</mark>', first_block, re.DOTALL))
     assert html.unescape(marked) == tokenizer.decode([t for t in labels if t != IGNORE_INDEX])

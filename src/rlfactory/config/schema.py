@@ -60,8 +60,11 @@ class ModelConfig(Section):
     )
     template: str | None = Field(
         None,
-        description="Named chat template to use instead of the tokenizer's own (needed when the tokenizer "
-        "has none). Choices: see `rlfactory.render.templates`.",
+        description="Chat template to use instead of the tokenizer's own (needed when the tokenizer has none): "
+        "a bundled name (chatml, llama3, gemma_tools), a Jinja file (`.jinja`, path relative to the working "
+        "directory), or the name of a template TRL ships in trl/chat_templates (e.g. qwen3, llama3_1, gemma3, "
+        "gptoss, qwen3_training). Every render is read back: a template that drops a message, tool call or "
+        "tool schema is refused; one that rewrites earlier turns trains each turn in its own context.",
     )
     finetuning: Literal["lora", "full", "freeze"] = Field(
         "lora", description="What is trained: LoRA adapters, all weights, or only the last layers (freeze)."

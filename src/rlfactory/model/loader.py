@@ -55,7 +55,8 @@ def load_tokenizer(cfg: ModelConfig, padding_side: str = "right") -> Any:
         named = get_template(cfg.template)
         tokenizer.chat_template = named.jinja
         tokenizer.end_of_turn = named.end_of_turn
-        if tokenizer.convert_tokens_to_ids(named.end_of_turn) in (None, tokenizer.unk_token_id):
+        tokenizer.template_name = f"model.template '{cfg.template}'"
+        if named.end_of_turn and tokenizer.convert_tokens_to_ids(named.end_of_turn) in (None, tokenizer.unk_token_id):
             raise UserError(
                 f"model.template '{cfg.template}' ends turns with '{named.end_of_turn}', which is not a token of "
                 f"'{path}'; pick a template that matches the tokenizer's special tokens"
@@ -66,6 +67,8 @@ def load_tokenizer(cfg: ModelConfig, padding_side: str = "right") -> Any:
         raise UserError(
             f"the tokenizer of '{path}' has no chat template; set model.template to one of: {', '.join(TEMPLATES)}"
         )
+    else:
+        tokenizer.template_name = f"the chat template of '{path}'"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = padding_side

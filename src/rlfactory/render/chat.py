@@ -7,14 +7,27 @@ Segment boundaries are found by rendering growing prefixes of the conversation, 
 computed from the template itself, not guessed. Each segment is tokenized on its own: the prompt
 of a rollout is exactly the prefix segments, and the sampled tokens are the assistant segment,
 so training tokens equal generated tokens (token-in, token-out).
+
+Templates that rewrite history (Qwen3 strips the reasoning of past turns, Mistral moves the system
+prompt and the tool schemas to the last user message, GPT-OSS closes past answers with ``<|end|>``)
+are not prefix-stable: the prompt of a later turn does not start with the earlier turns as they were
+trained. Such a conversation is cut into *contexts*: a new context starts at every turn whose prompt
+rewrites what came before, with that prompt exactly as the template renders it at that turn. Every
+assistant turn is then trained once, in the context the template gives it when it is generated.
+
+Every render is read back (``render.roundtrip``): a template that drops a message's text, a tool call
+or a tool schema is refused, never trained.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from rlfactory.errors import UserError
+from rlfactory.render.roundtrip import check_kept, check_tools, check_turn
 
 IGNORE_INDEX = -100
 
@@ -26,13 +39,78 @@ class Segment:
     message_index: int  # index of the message this segment ends, -1 for trailing glue
 
 
+def template_name(tokenizer: Any) -> str:
+    """How messages name the template (set by the model loader: ``model.template`` or the model's own)."""
+    return getattr(tokenizer, "template_name", None) or "the tokenizer's chat template"
+
+
+def _template_hint(message: str) -> str:
+    if "Tool call IDs" in message:
+        return (
+            "; this template needs every tool call to carry an `id` of 9 letters or digits and each tool result "
+            "the same `tool_call_id`: add them to the rows, or set `model.template` to one without ids"
+        )
+    if "alternate" in message or "roles are supported" in message:
+        return (
+            "; this template takes only alternating user/assistant turns (no tool messages): set `model.template` "
+            "to one that renders tools (e.g. chatml, gemma_tools, or a .jinja file)"
+        )
+    return "; fix the rows or set `model.template` (a named template, a TRL template name or a .jinja file)"
+
+
 def _apply(tokenizer: Any, messages: list[dict], tools: list | None, generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+    """The template's text; its errors (``raise_exception``, undefined names) become one clear UserError."""
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
+    except (TemplateError, TypeError) as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(
+            f"{template_name(tokenizer)} cannot render this conversation: {message}{_template_hint(message)}"
+        ) from None
+
+
+@contextmanager
+def for_row(example: dict[str, Any]) -> Iterator[None]:
+    """Prefix a rendering error with the row it came from (``dataset:row``)."""
+    try:
+        yield
+    except UserError as exc:
+        source = example.get("source")
+        raise (UserError(f"{source}: {exc}") if source else exc) from None
+
+
+_END_MARK = "\u2063END\u2063"  # invisible separator: no template transforms it
+
+
+def _infer_end_of_turn(tokenizer: Any) -> str:
+    """The first special token the template writes after an assistant's text (eos when none): Gemma closes turns
+    with ``<end_of_turn>``, not with its eos ``<eos>``; a template from a file or TRL says nothing else about it."""
+    messages = [{"role": "user", "content": "U"}, {"role": "assistant", "content": _END_MARK}]
+    try:
+        after = _apply(tokenizer, messages, None, generation_prompt=False).partition(_END_MARK)[2]
+    except UserError:
+        return tokenizer.eos_token
+    specials = set(tokenizer.all_special_tokens)
+    specials |= {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    found = [(after.find(s), -len(s), s) for s in specials if s and s in after]
+    return min(found)[2] if found else tokenizer.eos_token
 
 
 def end_of_turn(tokenizer: Any) -> str:
-    """The string that closes an assistant turn (set by the model loader; eos by default)."""
-    return getattr(tokenizer, "end_of_turn", None) or tokenizer.eos_token
+    """The string that closes an assistant turn: set by a named template, else read off the template (cached)."""
+    explicit = getattr(tokenizer, "end_of_turn", None)
+    if explicit:
+        return explicit
+    template = getattr(tokenizer, "chat_template", None)
+    cached = getattr(tokenizer, "_rlfactory_end_of_turn", None)
+    if cached is None or cached[0] != (template, tokenizer.eos_token):
+        cached = ((template, tokenizer.eos_token), _infer_end_of_turn(tokenizer) if template else tokenizer.eos_token)
+        tokenizer._rlfactory_end_of_turn = cached
+    return cached[1]
 
 
 HARMONY_STOPS = ("<|return|>", "<|call|>")  # GPT-OSS: a turn ends with its answer or with a tool call
@@ -62,55 +140,88 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False) if text else []
 
 
-def _not_prefix(i: int, what: str) -> UserError:
+def _not_prefix(tokenizer: Any, i: int, what: str) -> UserError:
     return UserError(
-        f"the chat template is not prefix-stable at message {i} ({what}): rendering a conversation "
-        "changes how earlier turns look, so trained tokens cannot be located exactly. "
-        "Set `model.template` to a named template (e.g. chatml) or use a template without history rewriting"
+        f"{template_name(tokenizer)} is not usable at message {i} ({what}), so trained tokens cannot be located "
+        "exactly. Set `model.template` to a named template (e.g. chatml), a TRL template name or a .jinja file"
     )
 
 
-def _turn_segments(tokenizer: Any, messages: list[dict], tools: list | None) -> tuple[list[Segment], str]:
-    """Segments up to the end of the last assistant turn, and the rendered text they cover."""
+def _turn_body(prefix: str, full: str) -> str | None:
+    """The text the template writes for a turn: what ``full`` (the conversation up to and with the turn) adds after
+    ``prefix`` (the prompt of the turn, with the generation prompt). Usually ``full`` starts with ``prefix``. Some
+    templates render earlier messages differently once a turn follows (Mistral v0.3 writes the system prompt only
+    into a user message that is the last message): then the turn starts after the longest ending of the prompt
+    found in ``full``; the turn must still hold the message's text and calls (read back by the caller)."""
+    if full.startswith(prefix):
+        return full[len(prefix) :]
+    low, high = 0, len(prefix)  # the longest suffix of prefix that occurs in full (occurrence is monotone)
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if prefix[-mid:] in full else (low, mid - 1)
+    if low < min(len(prefix), 8):
+        return None
+    return full[full.rfind(prefix[-low:]) + low :]
+
+
+def render_contexts(
+    tokenizer: Any, messages: list[dict], tools: list | None = None, generation_prompt: bool = False
+) -> list[list[Segment]]:
+    """The conversation as one or more token sequences (contexts; see module doc), every message read back.
+
+    One context for a prefix-stable template. The last context ends with the whole conversation as the template
+    renders it (plus the generation prompt when asked)."""
     stops = stop_strings(tokenizer)
-    segments: list[Segment] = []
-    done = ""  # rendered text already assigned to segments
+    contexts: list[list[Segment]] = []
+    current: list[Segment] = []
+    done = ""  # rendered text already assigned to the current context's segments
+    checked = 0  # messages before this index have been read back
     for i, message in enumerate(messages):
         if message["role"] != "assistant" or i == 0:
             continue
         prefix = _apply(tokenizer, messages[:i], tools, generation_prompt=True)
         full = _apply(tokenizer, messages[: i + 1], tools, generation_prompt=False)
-        if not prefix.startswith(done):
-            raise _not_prefix(i, "the prompt of this turn does not start with the previous turns")
-        if not full.startswith(prefix):
-            raise _not_prefix(i, "this assistant turn does not extend its own prompt")
-        body = full[len(prefix) :]
+        if not contexts and not current:
+            check_tools(template_name(tokenizer), tools, prefix)
+        check_kept(template_name(tokenizer), messages, range(checked, i), prefix)
+        body = _turn_body(prefix, full)
+        if body is None:
+            raise _not_prefix(tokenizer, i, "this assistant turn does not follow its own prompt")
+        if not prefix.startswith(done):  # the template rewrites history here: a new context
+            contexts.append(current)
+            current, done = [], ""
         found = first_stop(body, stops)
         if found is None:
             raise UserError(
-                f"the chat template does not end assistant turns with '{' or '.join(stops)}' (message {i}); "
+                f"{template_name(tokenizer)} does not end assistant turns with '{' or '.join(stops)}' (message {i}); "
                 "set `model.template` or fix the tokenizer's eos_token"
             )
         generated = body[: found[0] + len(found[1])]
-        segments.append(Segment(_encode(tokenizer, prefix[len(done) :]), False, i - 1))
-        segments.append(Segment(_encode(tokenizer, generated), True, i))
+        check_turn(template_name(tokenizer), message, i, generated)
+        checked = i + 1
+        current.append(Segment(_encode(tokenizer, prefix[len(done) :]), False, i - 1))
+        current.append(Segment(_encode(tokenizer, generated), True, i))
         done = prefix + generated
-    return segments, done
-
-
-def _with_tail(tokenizer: Any, messages: list[dict], tools: list | None, generation_prompt: bool) -> list[Segment]:
-    segments, done = _turn_segments(tokenizer, messages, tools)
     text = _apply(tokenizer, messages, tools, generation_prompt=generation_prompt)
+    if not contexts and not current:
+        check_tools(template_name(tokenizer), tools, text)
+    check_kept(template_name(tokenizer), messages, range(checked, len(messages)), text)
     if not text.startswith(done):
-        raise _not_prefix(len(messages), "the whole conversation does not extend its turns")
+        contexts.append(current)
+        current, done = [], ""
     if text[len(done) :]:
-        segments.append(Segment(_encode(tokenizer, text[len(done) :]), False, -1))
-    return segments
+        current.append(Segment(_encode(tokenizer, text[len(done) :]), False, -1))
+    return [context for context in [*contexts, current] if context]
+
+
+def _ids(segments: list[Segment]) -> list[int]:
+    return [t for segment in segments for t in segment.ids]
 
 
 def render_segments(tokenizer: Any, messages: list[dict], tools: list | None = None) -> list[Segment]:
-    """Split a rendered conversation into glue and assistant segments (see module doc)."""
-    return _with_tail(tokenizer, messages, tools, generation_prompt=False)
+    """The whole conversation as the template renders it, cut into glue and assistant segments (the last context:
+    with a template that rewrites history, the turns it rewrote are glue there, trained in their own context)."""
+    return render_contexts(tokenizer, messages, tools)[-1]
 
 
 def render_prompt(tokenizer: Any, messages: list[dict], tools: list | None = None) -> list[int]:
@@ -118,23 +229,12 @@ def render_prompt(tokenizer: Any, messages: list[dict], tools: list | None = Non
 
     Built from the same segments as training, so these ids are a prefix of the trained sequence.
     """
-    return [t for segment in _with_tail(tokenizer, messages, tools, generation_prompt=True) for t in segment.ids]
+    return _ids(render_contexts(tokenizer, messages, tools, generation_prompt=True)[-1])
 
 
-def render_sft(
-    tokenizer: Any,
-    messages: list[dict],
-    tools: list | None = None,
-    train_on: str = "assistant",
-    cutoff_len: int | None = None,
-    truncation: str = "right",
+def _sft_item(
+    segments: list[Segment], train_on: str, cutoff_len: int | None, truncation: str
 ) -> dict[str, list[int]] | None:
-    """input_ids and labels (IGNORE_INDEX where no loss) for SFT; None if the example must be dropped.
-
-    train_on: ``assistant`` every assistant turn, ``last_assistant`` only the final one, ``all``
-    every token. Truncation ``right`` cuts at cutoff_len (dropped if no trained token survives).
-    """
-    segments = render_segments(tokenizer, messages, tools)
     last_trainable = max(i for i, s in enumerate(segments) if s.trainable)
     input_ids: list[int] = []
     labels: list[int] = []
@@ -151,6 +251,29 @@ def render_sft(
     return {"input_ids": input_ids, "labels": labels}
 
 
+def render_sft(
+    tokenizer: Any,
+    messages: list[dict],
+    tools: list | None = None,
+    train_on: str = "assistant",
+    cutoff_len: int | None = None,
+    truncation: str = "right",
+) -> list[dict[str, list[int]] | None]:
+    """input_ids and labels (IGNORE_INDEX where no loss) for SFT, one item per context (one for a prefix-stable
+    template); an item is None where it must be dropped.
+
+    train_on: ``assistant`` every assistant turn, ``last_assistant`` only the final one, ``all`` every token
+    (of the whole conversation as the template renders it: the last context). Truncation ``right`` cuts at
+    cutoff_len (dropped if no trained token survives).
+    """
+    contexts = [c for c in render_contexts(tokenizer, messages, tools) if any(s.trainable for s in c)]
+    if not contexts:
+        raise UserError("the conversation has no assistant turn after its first message: nothing to train")
+    if train_on != "assistant":
+        contexts = contexts[-1:]
+    return [_sft_item(segments, train_on, cutoff_len, truncation) for segments in contexts]
+
+
 def render_continuation(
     tokenizer: Any, messages: list[dict], continuation: list[dict], tools: list | None = None
 ) -> tuple[list[int], list[int], list[bool]]:
@@ -160,11 +283,31 @@ def render_continuation(
     tokens the policy produced (tool results inside a multi-turn response are not trained).
     """
     prompt_ids = render_prompt(tokenizer, messages, tools)
+    contexts = render_contexts(tokenizer, messages + continuation, tools)
     ids: list[int] = []
     mask: list[bool] = []
-    for segment in render_segments(tokenizer, messages + continuation, tools):
+    context = next((c for c in reversed(contexts) if any(s.trainable for s in c)), contexts[-1])
+    for segment in context:
         ids += segment.ids
         mask += [segment.trainable] * len(segment.ids)
-    if ids[: len(prompt_ids)] != prompt_ids:
-        raise _not_prefix(len(messages), "the response does not extend the rendered prompt")
+    turns = sum(m["role"] == "assistant" for m in continuation)
+    trained = sum(s.trainable and s.message_index >= len(messages) for s in context)
+    if ids[: len(prompt_ids)] != prompt_ids or trained != turns:
+        raise UserError(
+            f"{template_name(tokenizer)} rewrites the earlier turns of this response once later messages follow "
+            f"(message {len(messages)} on), so a response of several assistant turns is not one sequence; "
+            "give responses of one assistant turn, or set `model.template` to a prefix-stable template (e.g. chatml)"
+        )
     return prompt_ids, ids[len(prompt_ids) :], mask[len(prompt_ids) :]
+
+
+def check_example(tokenizer: Any, example: dict[str, Any]) -> int:
+    """Render one canonical example as its stage would and read it back; the number of contexts it trains in.
+    Raises UserError naming the row (``config check`` runs this on a sample of rows)."""
+    messages, tools = example["messages"], example.get("tools")
+    with for_row(example):
+        if "chosen" in example:
+            for side in ("chosen", "rejected"):
+                render_continuation(tokenizer, messages, example[side], tools)
+            return len(render_contexts(tokenizer, messages + example["chosen"], tools))
+        return len(render_contexts(tokenizer, messages, tools, generation_prompt=messages[-1]["role"] != "assistant"))

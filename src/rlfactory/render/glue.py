@@ -1,7 +1,8 @@
 """The tokens a multi-turn rollout splices in after an assistant turn: observations (tool results, user
 messages) plus the template text around them, ending with the next assistant generation prompt.
 
-Token-in, token-out (DESIGN principle 2): the history is never re-rendered. The template's text for an
+Token-in, token-out (DESIGN principle 2): the history is never re-rendered, also with a template that rewrites
+earlier turns (Qwen3): each turn is trained in the context it was sampled in. The template's text for an
 observation is found once per observation *shape* (roles and count) by rendering a skeleton conversation
 with sentinel contents and taking the prefix difference after the assistant's end-of-turn string; later
 observations only fill the contents in. The glue text is tokenized as one string, exactly as
@@ -15,7 +16,7 @@ import json
 from typing import Any
 
 from rlfactory.errors import UserError
-from rlfactory.render.chat import _apply, _encode, stop_strings
+from rlfactory.render.chat import _apply, _encode, stop_strings, template_name
 
 SENTINEL = "\u2063OBS{}\u2063"  # invisible separator: no template transforms it, no real content holds it
 
@@ -48,14 +49,18 @@ class ObservationGlue:
         shape = self._shape(observation)
         if shape not in self._pieces:
             skeleton = _skeleton(observation)
-            before = _apply(self.tokenizer, skeleton[:2], None, generation_prompt=False)
             full = _apply(self.tokenizer, skeleton, None, generation_prompt=True)
-            # the assistant turn's own end (harmony: <|call|> after a call), the last stop string in the render
-            cut, stop = max((before.rfind(s), s) for s in self.stops)
-            if cut < 0 or not full.startswith(before[: cut + len(stop)]):
+            # the glue starts after the assistant turn's end (harmony: <|call|> after a call): the last stop string
+            # before the first observation. A template that rewrites the turn once an observation follows (Qwen3
+            # drops its empty think block) still writes the same glue after it; the rollout keeps the turn as the
+            # policy wrote it (token-in, token-out: each turn is trained in the context it was sampled in)
+            first = full.find(SENTINEL.format(0))
+            cut, stop = max((full.rfind(s, 0, first), s) for s in self.stops) if first >= 0 else (-1, "")
+            if cut < 0:
                 raise UserError(
-                    "the chat template is not prefix-stable after an assistant turn (adding a tool result or user "
-                    "message changes how the turn looks), so rollout tokens cannot be spliced; set `model.template`"
+                    f"{template_name(self.tokenizer)} writes no '{' or '.join(self.stops)}' before a tool result "
+                    "or user message that follows an assistant turn, so rollout tokens cannot be spliced; "
+                    "set `model.template`"
                 )
             tail = full[cut + len(stop) :]
             pieces = []

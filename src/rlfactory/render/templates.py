@@ -1,6 +1,8 @@
-"""Named chat templates for tokenizers that ship none (``model.template``).
+"""Chat templates ``model.template`` can name, for tokenizers that ship none or to replace the shipped one.
 
-The tokenizer's own template is preferred; these exist so base models can be fine-tuned into chat
+Three kinds of value: a name of the templates below, a ``.jinja`` file, or the name of a template TRL ships
+(``trl/chat_templates/``: qwen3, llama3_1, gemma3, gptoss, ... and their ``_training`` variants). The
+tokenizer's own template is preferred; these exist so base models can be fine-tuned into chat
 models. Each is a Jinja template in the Hugging Face ``chat_template`` format plus its end-of-turn
 string (what generation stops on and what closes every trained assistant turn). transformers renders
 with ``trim_blocks``, so a newline right after a block tag is written as an expression.
@@ -9,6 +11,7 @@ with ``trim_blocks``, so a newline right after a block tag is written as an expr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from rlfactory.errors import UserError, did_you_mean
 
@@ -16,7 +19,7 @@ from rlfactory.errors import UserError, did_you_mean
 @dataclass(frozen=True)
 class NamedTemplate:
     jinja: str
-    end_of_turn: str
+    end_of_turn: str | None  # None: read off the template (``render.chat.end_of_turn``)
 
 
 _CHATML = (
@@ -43,6 +46,8 @@ _CHATML = (
 
 _LLAMA3 = (
     "{{ bos_token }}"
+    "{% if tools and messages[0].role != 'system' %}"  # schemas need a system turn to live in
+    "<|start_header_id|>system<|end_header_id|>\n\nTools: {{ tools | tojson }}<|eot_id|>{% endif %}"
     "{% for message in messages %}"
     "{% set role = 'ipython' if message.role == 'tool' else message.role %}"
     "<|start_header_id|>{{ role }}<|end_header_id|>\n\n"
@@ -87,9 +92,38 @@ TEMPLATES: dict[str, NamedTemplate] = {
 }
 
 
+def trl_templates() -> dict[str, Path]:
+    """TRL's shipped templates by name (file stem); empty without trl. Found without importing trl (slow)."""
+    from importlib.util import find_spec
+
+    spec = find_spec("trl")
+    if spec is None or not spec.submodule_search_locations:
+        return {}
+    folder = Path(next(iter(spec.submodule_search_locations))) / "chat_templates"
+    return {path.stem: path for path in sorted(folder.glob("*.jinja"))}
+
+
+def _read(path: Path, name: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"model.template '{name}': cannot read the template file ({exc})") from None
+
+
 def get_template(name: str) -> NamedTemplate:
-    if name not in TEMPLATES:
-        raise UserError(
-            f"unknown model.template '{name}'{did_you_mean(name, TEMPLATES)}; choices: {', '.join(TEMPLATES)}"
-        )
-    return TEMPLATES[name]
+    """A named template, a .jinja file (path as given, relative to the working directory) or a TRL template."""
+    if name in TEMPLATES:
+        return TEMPLATES[name]
+    path = Path(name).expanduser()
+    if name.endswith((".jinja", ".j2", ".jinja2")) or path.is_file():
+        if not path.is_file():
+            raise UserError(f"model.template '{name}': no such template file")
+        return NamedTemplate(_read(path, name), None)
+    shipped = trl_templates()
+    if name in shipped:
+        return NamedTemplate(_read(shipped[name], name), None)
+    known = [*TEMPLATES, *shipped]
+    raise UserError(
+        f"unknown model.template '{name}'{did_you_mean(name, known)}; choices: {', '.join(TEMPLATES)}, a .jinja "
+        f"file, or a template TRL ships ({', '.join(shipped) or 'trl is not installed'})"
+    )

@@ -26,6 +26,24 @@ def _load(run: RunConfig, names: list[str], max_samples: int | None) -> tuple[li
     return examples, "+".join(sorted(kinds))
 
 
+TEMPLATE_SAMPLE = 256  # rows rendered and read back by `config check` (training renders and reads back every row)
+
+
+def check_template(tokenizer: object, examples: list[dict]) -> str:
+    """Render a sample of rows as their stage will and read them back (raises UserError naming the row)."""
+    from rlfactory.render.chat import check_example, template_name
+
+    sample = examples[:TEMPLATE_SAMPLE]
+    split = sum(check_example(tokenizer, example) > 1 for example in sample)
+    note = (
+        f"{template_name(tokenizer)}: {len(sample)} of {len(examples)} rows rendered and read back, every "
+        "message, tool call and tool schema kept"
+    )
+    if split:
+        note += f"; it rewrites earlier turns, so {split} of them train one sequence per rewritten turn"
+    return note
+
+
 def check_run(run: RunConfig) -> list[str]:
     """Datasets (rows converted and validated), model path and chat template. Raises UserError."""
     from rlfactory.data.loader import load_examples
@@ -46,8 +64,9 @@ def check_run(run: RunConfig) -> list[str]:
     if run.model.from_stage is None and run.model.name_or_path and Path(run.model.name_or_path).is_dir():
         from rlfactory.model.loader import load_tokenizer
 
-        load_tokenizer(run.model)
-        notes.append(f"[{run.name or run.stage}] model: {run.model.name_or_path} (tokenizer and chat template OK)")
+        tokenizer = load_tokenizer(run.model)
+        notes.append(f"[{run.name or run.stage}] model: {run.model.name_or_path} (tokenizer loads)")
+        notes.append(f"[{run.name or run.stage}] chat template: {check_template(tokenizer, train)}")
     else:
         notes.append(
             f"[{run.name or run.stage}] model: {run.model.name_or_path or 'from stage ' + str(run.model.from_stage)}"

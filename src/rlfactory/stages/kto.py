@@ -87,13 +87,14 @@ def check_labels(examples: list[dict], names: list[str], section: KTOConfig) -> 
 
 def render_unpaired(cfg: RunConfig, tokenizer: Any, examples: list[dict]) -> list[dict[str, Any]]:
     """Prompt = messages up to the last user turn; completion = the rest (its tool results are not trained)."""
-    from rlfactory.render.chat import render_continuation
+    from rlfactory.render.chat import for_row, render_continuation
 
     items, cut, dropped = [], 0, 0
     for example in examples:
         messages = example["messages"]
         split = max(i for i, m in enumerate(messages) if m["role"] == "user") + 1
-        prompt, ids, mask = render_continuation(tokenizer, messages[:split], messages[split:], example["tools"])
+        with for_row(example):
+            prompt, ids, mask = render_continuation(tokenizer, messages[:split], messages[split:], example["tools"])
         fitted = fit_prompt(prompt, len(ids), cfg.data.cutoff_len, cfg.data.truncation)
         if fitted is None:
             dropped += 1

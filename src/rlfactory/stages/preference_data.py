@@ -23,7 +23,7 @@ from rlfactory.config.schema import RunConfig
 from rlfactory.engine.offline import Batch
 from rlfactory.errors import UserError
 from rlfactory.model.reference import ReferencePolicy
-from rlfactory.render.chat import render_continuation
+from rlfactory.render.chat import for_row, render_continuation
 from rlfactory.stages import common
 
 log = logging.getLogger(__name__)
@@ -59,12 +59,13 @@ def fit_prompt(prompt: list[int], longest_response: int, cutoff_len: int, trunca
 
 def render_pair(tokenizer: Any, example: dict) -> dict[str, list]:
     """prompt_ids plus ids and masks of both responses (plus ``margin`` when the row has one)."""
-    prompt, chosen, chosen_mask = render_continuation(
-        tokenizer, example["messages"], example["chosen"], example["tools"]
-    )
-    prompt_r, rejected, rejected_mask = render_continuation(
-        tokenizer, example["messages"], example["rejected"], example["tools"]
-    )
+    with for_row(example):
+        prompt, chosen, chosen_mask = render_continuation(
+            tokenizer, example["messages"], example["chosen"], example["tools"]
+        )
+        prompt_r, rejected, rejected_mask = render_continuation(
+            tokenizer, example["messages"], example["rejected"], example["tools"]
+        )
     if prompt != prompt_r:  # cannot happen with a prefix-stable template; guard the single-forward layout
         raise UserError(f"{example.get('source')}: chosen and rejected render different prompts")
     item: dict[str, Any] = {"prompt_ids": prompt, "chosen_ids": chosen, "chosen_mask": chosen_mask}

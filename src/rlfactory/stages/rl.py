@@ -125,7 +125,7 @@ def load_prompt_sets(cfg: RunConfig) -> tuple[list[dict], list[dict], list[Any]]
 
 def render_prompts(cfg: RunConfig, tokenizer: Any, examples: list[dict]) -> list[dict]:
     """Attach ``prompt_ids`` (the one rendering path); drop prompts longer than rollout.max_prompt_len."""
-    from rlfactory.render.chat import HARMONY_STOPS, render_prompt, stop_strings
+    from rlfactory.render.chat import HARMONY_STOPS, for_row, render_prompt, stop_strings
     from rlfactory.rollout.agent import agent_enabled
 
     harmony_parser = cfg.agent is not None and cfg.agent.parser == "harmony"
@@ -137,7 +137,8 @@ def render_prompts(cfg: RunConfig, tokenizer: Any, examples: list[dict]) -> list
         )
     kept = []
     for example in examples:
-        ids = render_prompt(tokenizer, example["messages"], example.get("tools"))
+        with for_row(example):
+            ids = render_prompt(tokenizer, example["messages"], example.get("tools"))
         if len(ids) <= cfg.rollout.max_prompt_len:
             kept.append({**example, "prompt_ids": ids})
     if len(kept) < len(examples):

@@ -27,26 +27,36 @@ log = logging.getLogger(__name__)
 
 
 def render_examples(cfg: RunConfig, tokenizer: Any, examples: list[dict]) -> list[dict[str, list[int]]]:
-    """Canonical examples -> input_ids/labels; counts what truncation dropped."""
-    from rlfactory.render.chat import render_sft
+    """Canonical examples -> input_ids/labels; counts what truncation dropped.
 
-    rendered, dropped = [], 0
+    A template that rewrites history (Qwen3, Mistral) gives a conversation one sequence per rewritten turn
+    (``render.chat`` module doc); that is said once, with the counts."""
+    from rlfactory.render.chat import for_row, render_sft
+
+    rendered, dropped, split = [], 0, 0
     for example in examples:
-        item = render_sft(
-            tokenizer,
-            example["messages"],
-            example.get("tools"),
-            cfg.data.train_on,
-            cfg.data.cutoff_len,
-            cfg.data.truncation,
+        with for_row(example):
+            items = render_sft(
+                tokenizer,
+                example["messages"],
+                example.get("tools"),
+                cfg.data.train_on,
+                cfg.data.cutoff_len,
+                cfg.data.truncation,
+            )
+        split += len(items) > 1
+        dropped += sum(item is None for item in items)
+        rendered += [item for item in items if item is not None]
+    if split:
+        log.info(
+            "the chat template rewrites earlier turns: %d conversation(s) trained as one sequence per rewritten "
+            "turn (%d sequences in all)",
+            split,
+            len(rendered) + dropped,
         )
-        if item is None:
-            dropped += 1
-        else:
-            rendered.append(item)
     if dropped:
         log.warning(
-            "%d example(s) dropped: longer than data.cutoff_len=%d with nothing left to train on",
+            "%d sequence(s) dropped: longer than data.cutoff_len=%d with nothing left to train on",
             dropped,
             cfg.data.cutoff_len,
         )

@@ -62,12 +62,17 @@ def render_example(tokenizer: Any, example: dict[str, Any], kind: str, data_cfg:
     tools = example.get("tools")
     if kind in ("sft", "unpaired"):
         train_on = "last_assistant" if kind == "unpaired" else data_cfg.train_on
-        item = render_sft(tokenizer, example["messages"], tools, train_on, data_cfg.cutoff_len, data_cfg.truncation)
-        if item is None:
-            return _block(f"{source} (dropped: nothing to train within cutoff_len)", "", 0, 0)
-        trained = [label != IGNORE_INDEX for label in item["labels"]]
+        items = render_sft(tokenizer, example["messages"], tools, train_on, data_cfg.cutoff_len, data_cfg.truncation)
         label = "" if kind == "sft" else f" · label: {'desirable' if example.get('label') else 'undesirable'}"
-        return _block(source + label, _spans(tokenizer, item["input_ids"], trained), len(trained), sum(trained))
+        blocks = []
+        for n, item in enumerate(items):  # several when the template rewrites history: one per context
+            title = source + label + (f" · sequence {n + 1} of {len(items)}" if len(items) > 1 else "")
+            if item is None:
+                blocks.append(_block(f"{title} (dropped: nothing to train within cutoff_len)", "", 0, 0))
+                continue
+            trained = [label != IGNORE_INDEX for label in item["labels"]]
+            blocks.append(_block(title, _spans(tokenizer, item["input_ids"], trained), len(trained), sum(trained)))
+        return "".join(blocks)
     if kind == "pairwise":
         blocks = []
         for side in ("chosen", "rejected"):
