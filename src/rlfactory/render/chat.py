@@ -27,7 +27,13 @@ class Segment:
 
 
 def _apply(tokenizer: Any, messages: list[dict], tools: list | None, generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+    return tokenizer.apply_chat_template(
+        messages,
+        tools=tools,
+        tokenize=False,
+        add_generation_prompt=generation_prompt,
+        chat_template=getattr(tokenizer, "render_template", None),  # standard TRL rows: render.plain
+    )
 
 
 def end_of_turn(tokenizer: Any) -> str:
@@ -128,27 +134,18 @@ def render_sft(
     train_on: str = "assistant",
     cutoff_len: int | None = None,
     truncation: str = "right",
+    train_from: int = 0,
 ) -> dict[str, list[int]] | None:
     """input_ids and labels (IGNORE_INDEX where no loss) for SFT; None if the example must be dropped.
 
     train_on: ``assistant`` every assistant turn, ``last_assistant`` only the final one, ``all``
-    every token. Truncation ``right`` cuts at cutoff_len (dropped if no trained token survives).
+    every token; turns before message ``train_from`` are never trained (a prompt-completion row's prompt).
+    A row longer than cutoff_len is shortened as ``render.fit.sft_item`` says (or dropped with ``drop``).
     """
+    from rlfactory.render.fit import sft_item
+
     segments = render_segments(tokenizer, messages, tools)
-    last_trainable = max(i for i, s in enumerate(segments) if s.trainable)
-    input_ids: list[int] = []
-    labels: list[int] = []
-    for index, segment in enumerate(segments):
-        trained = train_on == "all" or (segment.trainable and (train_on == "assistant" or index == last_trainable))
-        input_ids += segment.ids
-        labels += segment.ids if trained else [IGNORE_INDEX] * len(segment.ids)
-    if cutoff_len is not None and len(input_ids) > cutoff_len:
-        if truncation == "drop":
-            return None
-        input_ids, labels = input_ids[:cutoff_len], labels[:cutoff_len]
-    if all(label == IGNORE_INDEX for label in labels[1:]):
-        return None
-    return {"input_ids": input_ids, "labels": labels}
+    return sft_item(segments, train_on, cutoff_len, truncation, train_from)[0]
 
 
 def render_continuation(

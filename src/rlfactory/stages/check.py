@@ -46,8 +46,11 @@ def check_run(run: RunConfig) -> list[str]:
     if run.model.from_stage is None and run.model.name_or_path and Path(run.model.name_or_path).is_dir():
         from rlfactory.model.loader import load_tokenizer
 
-        load_tokenizer(run.model)
+        tokenizer = load_tokenizer(run.model)
         notes.append(f"[{run.name or run.stage}] model: {run.model.name_or_path} (tokenizer and chat template OK)")
+        fit_counts = getattr(get_stage(run.stage), "fit_counts", None)  # what the length limit does to the rows
+        if fit_counts is not None:
+            notes.append(f"[{run.name or run.stage}] data {fit_counts(run, tokenizer, train).summary()}")
     else:
         notes.append(
             f"[{run.name or run.stage}] model: {run.model.name_or_path or 'from stage ' + str(run.model.from_stage)}"
