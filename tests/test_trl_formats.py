@@ -146,7 +146,8 @@ def test_unpaired_preference_standard_and_conversational(registry, tokenizer):
     conv = _one(registry, "unpaired_conv", "unpaired")
     [item] = kto.render_unpaired(cfg, tokenizer, [conv])
     assert item["label"] is False
-    assert tokenizer.decode([t for t, m in zip(item["ids"], item["mask"], strict=True) if m]) == "It is green.<|im_end|>"
+    trained = [t for t, m in zip(item["ids"], item["mask"], strict=True) if m]
+    assert tokenizer.decode(trained) == "It is green.<|im_end|>"
 
 
 def test_stepwise_supervision_is_refused_clearly(registry):
@@ -229,3 +230,61 @@ def test_config_check_reports_what_cutoff_len_does(tmp_path):
     assert result.returncode == 0, result.stderr
     line = next(x for x in result.stdout.splitlines() if "after data.cutoff_len=64" in x)
     assert "of 40 kept" in line and "shortened" in line, result.stdout
+
+
+CODE_TEST_REWARD = """
+import json
+from pathlib import Path
+
+def passes(completions, test_cases, **kwargs):
+    '''A TRL-style reward that reads a column nothing else maps: `test_cases` (here: the expected answer).'''
+    with Path(__file__).with_name("calls.jsonl").open("a") as log:
+        log.write(json.dumps({"completions": completions, "test_cases": test_cases, **kwargs}) + "\\n")
+    return [float(f"answer is {case['expect']}" in c[0]["content"]) for c, case in zip(completions, test_cases)]
+"""
+
+
+def test_grpo_with_trl_rows_and_a_trl_reward_reading_an_extra_column(tmp_path: Path):
+    rows = [json.loads(line) for line in (DATA_DIR / "arith" / "prompts_train.jsonl").read_text().splitlines()[:16]]
+    trl_rows = [{"prompt": r["messages"], "test_cases": {"expect": r["answer"]}, "level": i} for i, r in enumerate(rows)]
+    (tmp_path / "math.jsonl").write_text("".join(json.dumps(r) + "\n" for r in trl_rows))
+    (tmp_path / "dataset_info.yaml").write_text("math: {file_name: math.jsonl}\n")
+    (tmp_path / "rewards.py").write_text(CODE_TEST_REWARD)
+    cfg = {
+        "stage": "grpo",
+        "output_dir": str(tmp_path / "out"),
+        "model": {"name_or_path": str(TINY_MODEL), "finetuning": "full"},
+        "data": {"dataset": "math", "dataset_dir": str(tmp_path)},
+        "rollout": {"prompts_per_step": 4, "num_samples": 2, "max_response_len": 24},
+        "reward": {"functions": {f"{tmp_path}/rewards.py:passes": 1.0}},
+        "train": {"max_steps": 2, "per_device_batch_size": 8, "learning_rate": 1e-4},
+        "logging": {"progress_bar": False, "plot_loss": False},
+    }
+    result = run_cli("train", str(write_yaml(tmp_path / "grpo.yaml", cfg)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert len(calls) == 2  # one batched call per step, as TRL makes it
+    by_prompt = {json.dumps(r["prompt"]): r for r in trl_rows}
+    for call in calls:
+        assert len(call["completions"]) == len(call["prompts"]) == len(call["completion_ids"]) == 8
+        for prompt, case, level in zip(call["prompts"], call["test_cases"], call["level"], strict=True):
+            row = by_prompt[json.dumps(prompt)]  # every column of the row, in the row's own order
+            assert case == row["test_cases"] and level == row["level"]
+        assert all(c[0]["role"] == "assistant" for c in call["completions"])
+    log = [json.loads(line) for line in (tmp_path / "out" / "trainer_log.jsonl").read_text().splitlines()]
+    assert [r["reward/passes/failures"] for r in log if "reward/passes/failures" in r] == [0.0, 0.0]
+
+
+def test_a_trl_reward_missing_its_column_is_refused_before_any_model(tmp_path: Path):
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": SKY}) + "\n")
+    (tmp_path / "dataset_info.yaml").write_text("p: {file_name: p.jsonl}\n")
+    (tmp_path / "rewards.py").write_text(CODE_TEST_REWARD)
+    cfg = {
+        "stage": "grpo",
+        "model": {"name_or_path": str(TINY_MODEL)},
+        "data": {"dataset": "p", "dataset_dir": str(tmp_path)},
+        "reward": {"functions": {f"{tmp_path}/rewards.py:passes": 1.0}},
+    }
+    result = run_cli("config", "check", str(write_yaml(tmp_path / "bad.yaml", cfg)))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "reward 'passes' takes the dataset column 'test_cases', which 1 of 1 rows of 'p' lack" in result.stderr
