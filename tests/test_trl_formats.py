@@ -246,7 +246,9 @@ def passes(completions, test_cases, **kwargs):
 
 def test_grpo_with_trl_rows_and_a_trl_reward_reading_an_extra_column(tmp_path: Path):
     rows = [json.loads(line) for line in (DATA_DIR / "arith" / "prompts_train.jsonl").read_text().splitlines()[:16]]
-    trl_rows = [{"prompt": r["messages"], "test_cases": {"expect": r["answer"]}, "level": i} for i, r in enumerate(rows)]
+    trl_rows = [
+        {"prompt": r["messages"], "test_cases": {"expect": r["answer"]}, "level": i} for i, r in enumerate(rows)
+    ]
     (tmp_path / "math.jsonl").write_text("".join(json.dumps(r) + "\n" for r in trl_rows))
     (tmp_path / "dataset_info.yaml").write_text("math: {file_name: math.jsonl}\n")
     (tmp_path / "rewards.py").write_text(CODE_TEST_REWARD)
