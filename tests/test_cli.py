@@ -27,7 +27,7 @@ def test_version_env_and_schema():
     for package in ("torch", "transformers", "peft", "trl", "accelerate", "deepspeed", "vllm", "gradio", "cuda"):
         assert package in env
     schema = json.loads(run_cli("config", "schema").stdout)
-    assert schema["properties"]["stage"]["enum"] == ["sft", "rm", "dpo", "kto", "orpo", "ppo", "grpo"]
+    assert schema["properties"]["stage"]["enum"] == ["pt", "sft", "rm", "dpo", "kto", "orpo", "ppo", "grpo"]
 
 
 def test_config_docs_are_current():

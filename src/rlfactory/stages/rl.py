@@ -181,9 +181,11 @@ def fit_counts(cfg: RunConfig, tokenizer: Any, examples: list[dict]) -> FitCount
 def check(cfg: RunConfig) -> list[str]:
     """Everything that can fail before a model loads (``rlfactory config check`` calls this)."""
     train, evals, components = load_prompt_sets(cfg)
+    columns = sorted({name for example in train for name in example.get("columns", {})})
     return [
         f"[{cfg.name or cfg.stage}] {len(train)} prompts, {len(evals)} eval prompts, rewards: "
-        f"{', '.join(c.name for c in components) or 'reward model'}"
+        f"{', '.join(c.name for c in components) or 'reward model'}; other columns rewards and environments see: "
+        f"{', '.join(columns) or 'none'}"
     ]
 
 

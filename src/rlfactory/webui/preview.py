@@ -57,12 +57,20 @@ def _block(title: str, body: str, n_tokens: int, n_trained: int) -> str:
 def render_example(tokenizer: Any, example: dict[str, Any], kind: str, data_cfg: Any) -> str:
     """One example as HTML blocks (two for a preference pair)."""
     from rlfactory.render.chat import render_continuation, render_prompt, render_sft
+    from rlfactory.render.plain import tokenizer_for
 
     source = example.get("source", "")
     tools = example.get("tools")
+    tokenizer = tokenizer_for(tokenizer, [example])  # standard TRL rows: plain text
+    if kind == "text":  # stage pt: the document as it enters the packed blocks, every token trained
+        from rlfactory.stages.pt import document_ids
+
+        ids = document_ids(tokenizer, example["text"])
+        return _block(source, _spans(tokenizer, ids, [True] * len(ids)), len(ids), len(ids))
     if kind in ("sft", "unpaired"):
         train_on = "last_assistant" if kind == "unpaired" else data_cfg.train_on
-        item = render_sft(tokenizer, example["messages"], tools, train_on, data_cfg.cutoff_len, data_cfg.truncation)
+        fit = data_cfg.cutoff_len, data_cfg.truncation, example.get("train_from", 0)
+        item = render_sft(tokenizer, example["messages"], tools, train_on, *fit)
         if item is None:
             return _block(f"{source} (dropped: nothing to train within cutoff_len)", "", 0, 0)
         trained = [label != IGNORE_INDEX for label in item["labels"]]
