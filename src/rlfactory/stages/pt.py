@@ -1,7 +1,7 @@
 """Stage ``pt``: continued pre-training on raw text, every token trained.
 
 Reads top to bottom: checks -> tokenizer -> documents (``.txt`` lines or a ``text`` column) -> blocks -> model ->
-output dir -> train (shared engine, sft's loss) -> summary.
+output dir -> score before -> train (shared engine, sft's loss) -> score after -> summary.
 
 Blocks: each document is tokenized as ``[bos] text eos`` (bos only where the tokenizer has one), the documents are
 concatenated in order and cut into blocks of ``data.cutoff_len`` tokens, as LLaMA-Factory's pt stage and TRL's
@@ -84,6 +84,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     eval_items = pack_blocks(tokenizer, eval_docs, d.cutoff_len)[0] if eval_docs else None
     if not train_items:
         raise UserError(f"dataset(s) {', '.join(d.dataset)} hold no text to train on")
+    eval_prompts = common.load_eval_prompts(cfg)  # evaluation.dataset: generation scored before and after
 
     model = load_model(cfg.model, cfg.lora, cfg.freeze, torch_compile=cfg.train.torch_compile)
     common.start_output_dir(cfg, resume_from)
@@ -93,6 +94,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         collate=collate_padded(tokenizer.pad_token_id),
         loss_fn=functools.partial(nll_sum, kernels=head_kernels(cfg.model, cfg.train)),
         count_fn=count_tokens,
+        before_training=common.score_before(cfg, tokenizer, eval_prompts),
     )
     result = train(cfg, model, tokenizer, parts, resume_from)
-    return common.finish(cfg, result, {})
+    return common.finish(cfg, result, common.score_after(cfg, result, tokenizer, eval_prompts))
