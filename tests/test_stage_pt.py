@@ -57,3 +57,18 @@ def test_pt_trains_on_a_txt_corpus_and_the_loss_falls(tmp_path: Path):
 def test_pt_refuses_conversations(tmp_path: Path):
     cfg = _pt_config(tmp_path, dataset="arith_sft", eval_dataset=[])
     expect_train_error(tmp_path, cfg, "stage pt", "needs a `text` column")
+
+
+def test_preview_shows_a_pt_document_fully_trained():
+    from rlfactory.webui import preview
+
+    raw = {
+        "stage": "pt",
+        "model": {"name_or_path": str(TINY_MODEL)},
+        "data": {"dataset": ["arith_pt"], "dataset_dir": str(DATA_DIR), "max_samples": 2},
+    }
+    body, _ = preview.preview_page(raw, 0)
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(TINY_MODEL)))
+    first = (DATA_DIR / "arith" / "pt_corpus.txt").read_text().splitlines()[0]
+    n = len(tokenizer.encode(first)) + 1  # + eos
+    assert f"{n} tokens, {n} trained" in body and "pt: examples 1–2 of 2" in body
