@@ -290,3 +290,14 @@ def test_a_trl_reward_missing_its_column_is_refused_before_any_model(tmp_path: P
     result = run_cli("config", "check", str(write_yaml(tmp_path / "bad.yaml", cfg)))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "reward 'passes' takes the dataset column 'test_cases', which 1 of 1 rows of 'p' lack" in result.stderr
+
+
+def test_json_string_conversations_are_decoded_and_bracketed_text_stays_text():
+    from rlfactory.data.registry import DatasetSpec
+    from rlfactory.data.trl import from_trl
+
+    spec = DatasetSpec(file_name="x.csv", formatting="trl")
+    conv = from_trl({"prompt": json.dumps(SKY), "completion": json.dumps(BLUE)}, spec)  # as a csv stores them
+    assert conv["messages"] == SKY + BLUE and "plain" not in conv
+    text = from_trl({"prompt": "[1, 2] has", "completion": " two items."}, spec)
+    assert text["plain"] and text["messages"][0]["content"] == "[1, 2] has"

@@ -20,9 +20,10 @@ found with TRL's own ``extract_prompt``; conversational detection is TRL's ``is_
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from rlfactory.data.formats import RowError, _common, _label, normalize_message, parse_json_field
+from rlfactory.data.formats import RowError, _common, _label, normalize_message
 from rlfactory.data.registry import DatasetSpec
 
 # the columns that name a TRL dataset type; any of them in a row means "this is a TRL row"
@@ -43,20 +44,31 @@ def _conversational(key: str, value: Any) -> bool:
     return bool(value) and is_conversational({key: value})
 
 
-def _messages(key: str, value: Any, role: str, as_message) -> tuple[list[dict[str, Any]], bool]:
+def _decoded(key: str, value: Any) -> Any:
+    """A conversation stored as a JSON string (csv, some parquet exports) is decoded; any other string is text."""
+    if isinstance(value, str) and value.lstrip()[:1] == "[":
+        try:
+            decoded = json.loads(value)
+        except json.JSONDecodeError:
+            return value
+        return decoded if _conversational(key, decoded) else value
+    return value
+
+
+def _messages(key: str, value: Any, role: str) -> tuple[list[dict[str, Any]], bool]:
     """(messages, plain) of one TRL column: a string becomes one ``role`` message of plain text."""
-    value = parse_json_field(value, f"column '{key}'") if isinstance(value, str) and value[:1] == "[" else value
+    value = _decoded(key, value)
     if isinstance(value, str):
         return [{"role": role, "content": value}], True
     if not isinstance(value, list) or not _conversational(key, value):
         raise RowError(f"column '{key}' must be a string or a list of {{role, content}} messages")
-    return [as_message(m, f"{key}[{i}]") for i, m in enumerate(value)], False
+    return [normalize_message(m, f"{key}[{i}]") for i, m in enumerate(value)], False
 
 
 def trl_type(row: dict[str, Any]) -> str:
     """The TRL dataset type a row's columns name (the order matters: `prompt` alone is prompt-only)."""
     keys = set(row)
-    if "completions" in keys or "labels" in keys:
+    if "completions" in keys:
         raise UnsupportedType(
             "stepwise supervision rows (prompt/completions/labels) train process reward models, which rlfactory "
             "does not train; give one `completion` per row (prompt-completion) or chosen/rejected pairs"
@@ -102,21 +114,21 @@ def from_trl(row: dict[str, Any], spec: DatasetSpec) -> dict[str, Any]:
         example = {"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": row["text"]}]}
         example.update(plain=True, text=row["text"])
     elif kind == "language_modeling":
-        messages, plain = _messages("messages", row["messages"], "assistant", normalize_message)
+        messages, plain = _messages("messages", row["messages"], "assistant")
         if plain:
             raise RowError("column 'messages' must be a list of {role, content} messages")
         example = {"messages": messages}
     else:
         source = _implicit(row) if kind == "implicit_preference" else row
-        messages, plain = _messages("prompt", source["prompt"], "user", normalize_message)
+        messages, plain = _messages("prompt", source["prompt"], "user")
         example = {"messages": messages}
         if kind in ("prompt_completion", "unpaired"):
-            completion, plain_c = _messages("completion", row["completion"], "assistant", normalize_message)
+            completion, plain_c = _messages("completion", row["completion"], "assistant")
             if plain != plain_c:
                 raise RowError("'prompt' and 'completion' must both be strings or both be lists of messages")
             example.update(messages=messages + completion, train_from=len(messages))
         for side in ("chosen", "rejected") if "preference" in kind else ():
-            turns, plain_side = _messages(side, source[side], "assistant", normalize_message)
+            turns, plain_side = _messages(side, source[side], "assistant")
             if plain != plain_side:
                 raise RowError(f"'prompt' and '{side}' must both be strings or both be lists of messages")
             example[side] = turns
