@@ -301,3 +301,16 @@ def test_json_string_conversations_are_decoded_and_bracketed_text_stays_text():
     assert conv["messages"] == SKY + BLUE and "plain" not in conv
     text = from_trl({"prompt": "[1, 2] has", "completion": " two items."}, spec)
     assert text["plain"] and text["messages"][0]["content"] == "[1, 2] has"
+
+
+def test_standard_prompt_completion_sft_trains_and_keeps_the_models_chat_template(tmp_path: Path, sft_config: dict):
+    rows = [json.loads(line) for line in (DATA_DIR / "arith" / "sft_train.jsonl").read_text().splitlines()[:32]]
+    pc = [{"prompt": r["messages"][-2]["content"] + " ", "completion": r["messages"][-1]["content"]} for r in rows]
+    (tmp_path / "pc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pc))
+    (tmp_path / "dataset_info.yaml").write_text("pc: {file_name: pc.jsonl}\n")
+    cfg = {**sft_config, "data": {"dataset": "pc", "dataset_dir": str(tmp_path), "cutoff_len": 128}}
+    cfg["train"] = {**cfg["train"], "max_steps": 2}
+    result = run_cli("train", str(write_yaml(tmp_path / "sft.yaml", cfg)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = load_tokenizer(ModelConfig(name_or_path=str(tmp_path / "out")))
+    assert saved.chat_template == load_tokenizer(ModelConfig(name_or_path=str(TINY_MODEL))).chat_template
