@@ -314,3 +314,16 @@ def test_standard_prompt_completion_sft_trains_and_keeps_the_models_chat_templat
     assert result.returncode == 0, result.stderr[-3000:]
     saved = load_tokenizer(ModelConfig(name_or_path=str(tmp_path / "out")))
     assert saved.chat_template == load_tokenizer(ModelConfig(name_or_path=str(TINY_MODEL))).chat_template
+
+
+def test_kto_unpairs_trl_preference_rows_as_trl_does(registry):
+    cfg = validate_config(
+        {"stage": "kto", "model": {"name_or_path": str(TINY_MODEL)}, "data": {"dataset": "pref_conv",
+                                                                            "dataset_dir": str(registry)}}, "t"
+    )
+    examples = kto.load_kto_examples(cfg, ["pref_conv", "unpaired_conv"])
+    assert [(e["messages"][-1]["content"], e["label"]) for e in examples] == [
+        ("It is green.", False),  # the unpaired row
+        ("It is blue.", True),  # the pair, one example per side
+        ("It is green.", False),
+    ]

@@ -136,6 +136,19 @@ def for_kind(example: dict[str, Any], kind: str) -> dict[str, Any]:
     }
 
 
+def is_ranking(name: str, folder: Path, specs: dict[str, DatasetSpec]) -> bool:
+    """Preference (chosen/rejected) data: registered with ``ranking: true``, or TRL preference rows (read from the
+    first row, as TRL's KTO trainer unpairs a preference dataset it is given)."""
+    spec = get_spec(name, folder, specs)
+    if spec.ranking:
+        return True
+    if spec.formatting not in ("openai", "trl") or spec.columns.messages is not None:
+        return False
+    _, rows = _iter_rows(spec, folder, name)
+    row = next(iter(rows), None)
+    return isinstance(row, dict) and "chosen" in row and "rejected" in row and "completion" not in row
+
+
 def check_example(example: dict[str, Any], kind: str) -> None:
     """Raise RowError if the example cannot serve a stage of this kind."""
     if kind == "text":
@@ -169,8 +182,8 @@ def check_example(example: dict[str, Any], kind: str) -> None:
             raise RowError("'chosen' and 'rejected' are identical; a preference pair must differ")
     if kind == "unpaired" and example.get("label") is None:
         raise RowError(
-            "KTO rows need a true/false label (set columns.kto_tag in dataset_info.yaml; chosen/rejected pairs "
-            "need `ranking: true` on their entry)"
+            "KTO rows need a true/false label (set columns.kto_tag in dataset_info.yaml, or give chosen/rejected "
+            "pairs with `ranking: true` on their entry)"
         )
 
 

@@ -13,14 +13,14 @@ from rlfactory.config.schema import PipelineConfig, RunConfig
 
 def _load(run: RunConfig, names: list[str], max_samples: int | None) -> tuple[list[dict], str]:
     """Examples of each dataset, validated as the kind the stage reads it as (and that kind, for the notes)."""
-    from rlfactory.data.loader import load_examples
-    from rlfactory.data.registry import get_spec, load_registry
+    from rlfactory.data.loader import is_ranking, load_examples
+    from rlfactory.data.registry import load_registry
     from rlfactory.stages import dataset_kind
 
     folder, specs = load_registry(run.data.dataset_dir)
     examples, kinds = [], set()
     for name in names:
-        kind = dataset_kind(run.stage, get_spec(name, folder, specs).ranking)
+        kind = dataset_kind(run.stage, is_ranking(name, folder, specs))
         kinds.add(kind)
         examples += load_examples([name], kind, run.data.dataset_dir, max_samples, run.data.max_bad_rows)
     return examples, "+".join(sorted(kinds))

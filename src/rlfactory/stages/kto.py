@@ -56,8 +56,8 @@ def split_pairs(pairs: list[dict]) -> list[dict]:
 
 def load_kto_examples(cfg: RunConfig, names: list[str]) -> list[dict]:
     """Unpaired examples: ranking datasets are split (one example per side), others need labels."""
-    from rlfactory.data.loader import load_examples
-    from rlfactory.data.registry import get_spec, load_registry
+    from rlfactory.data.loader import is_ranking, load_examples
+    from rlfactory.data.registry import load_registry
     from rlfactory.stages import dataset_kind
 
     d = cfg.data
@@ -65,7 +65,7 @@ def load_kto_examples(cfg: RunConfig, names: list[str]) -> list[dict]:
     examples: list[dict] = []
     pairs: list[dict] = []
     for name in names:
-        if dataset_kind("kto", get_spec(name, folder, specs).ranking) == "pairwise":
+        if dataset_kind("kto", is_ranking(name, folder, specs)) == "pairwise":
             log.info("dataset '%s' is preference data: each pair gives one desirable + one undesirable example", name)
             pairs += load_examples([name], "pairwise", d.dataset_dir, d.max_samples, d.max_bad_rows)
         else:

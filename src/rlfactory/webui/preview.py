@@ -104,14 +104,14 @@ def _data_config(data: dict[str, Any]) -> Any:
 
 def _load(stage: str, data_cfg: Any) -> list[tuple[str, dict[str, Any]]]:
     """(kind, example) for every row of the datasets, each read as the kind the stage reads it as."""
-    from rlfactory.data.loader import load_examples
-    from rlfactory.data.registry import get_spec, load_registry
+    from rlfactory.data.loader import is_ranking, load_examples
+    from rlfactory.data.registry import load_registry
     from rlfactory.stages import dataset_kind
 
     folder, specs = load_registry(data_cfg.dataset_dir)
     loaded = []
     for name in data_cfg.dataset:
-        kind = dataset_kind(stage, get_spec(name, folder, specs).ranking)
+        kind = dataset_kind(stage, is_ranking(name, folder, specs))
         rows = load_examples([name], kind, data_cfg.dataset_dir, data_cfg.max_samples, data_cfg.max_bad_rows)
         loaded += [(kind, row) for row in rows]
     return loaded
