@@ -27,7 +27,7 @@ def test_version_env_and_schema():
     for package in ("torch", "transformers", "peft", "trl", "accelerate", "deepspeed", "vllm", "gradio", "cuda"):
         assert package in env
     schema = json.loads(run_cli("config", "schema").stdout)
-    assert schema["properties"]["stage"]["enum"] == ["sft", "rm", "dpo", "kto", "orpo", "ppo", "grpo"]
+    assert schema["properties"]["stage"]["enum"] == ["pt", "sft", "rm", "dpo", "kto", "orpo", "ppo", "grpo"]
 
 
 def test_config_docs_are_current():
@@ -86,7 +86,7 @@ def test_missing_dataset_file_and_unknown_name(tmp_path: Path, sft_config: dict)
 def test_row_without_column_and_empty_dataset(tmp_path: Path, sft_config: dict):
     registry = tmp_path / "data"
     registry.mkdir()
-    (registry / "rows.jsonl").write_text(json.dumps({"text": "no messages here"}) + "\n")
+    (registry / "rows.jsonl").write_text(json.dumps({"body": "no messages here"}) + "\n")  # `text`: a TRL row
     (registry / "dataset_info.yaml").write_text(yaml.safe_dump({"rows": {"file_name": "rows.jsonl"}}))
     cfg = {**sft_config, "data": {**sft_config["data"], "dataset_dir": str(registry), "dataset": "rows"}}
     _expect_clear_error(_bad_run(tmp_path, cfg), "rows.jsonl row 1: missing column 'messages'")

@@ -243,23 +243,42 @@ def test_forward_logps_fused_head_equals_full_logits(tokenizer, model):
     torch.testing.assert_close(fused_grad, want_grad, atol=1e-4, rtol=1e-4)
 
 
-def test_truncation_cuts_the_prompt_from_the_left_or_drops(tokenizer, caplog):
+def test_truncation_splits_the_budget_as_llamafactory_and_counts(tokenizer, caplog):
     assert preference_data.fit_prompt([1, 2, 3, 4], 3, 10, "right") == [1, 2, 3, 4]
     assert preference_data.fit_prompt([1, 2, 3, 4], 8, 10, "right") == [3, 4]
     assert preference_data.fit_prompt([1, 2, 3, 4], 8, 10, "drop") is None
     assert preference_data.fit_prompt([1, 2, 3, 4], 10, 10, "right") is None  # no prompt token left
+    # a pair with a long prompt and long responses: LLaMA-Factory's proportional split (prompt 60, responses 90 ->
+    # 40 + 60 of 100 tokens); the prompt keeps its end, each response its start
+    item = {
+        "prompt_ids": list(range(60)),
+        "chosen_ids": list(range(100, 190)),
+        "chosen_mask": [True] * 90,
+        "rejected_ids": list(range(200, 280)),
+        "rejected_mask": [True] * 80,
+    }
+    cut, outcome = preference_data.fit_pair(item, 100, "right")
+    assert outcome == "shortened"
+    assert cut["prompt_ids"] == list(range(20, 60)) and cut["chosen_ids"] == list(range(100, 160))
+    assert cut["rejected_ids"] == list(range(200, 260)) and len(cut["rejected_mask"]) == 60
+    assert preference_data.fit_pair(item, 200, "right") == (item, "kept")
+    assert preference_data.fit_pair(item, 100, "drop") == (None, "longer than the limit (data.truncation: drop)")
+    # sides that differ only at their end: the proportional cut would make them equal, so the responses keep their
+    # whole length and the prompt gives way
+    same_start = {**item, "rejected_ids": list(range(100, 189)) + [7], "rejected_mask": [True] * 90}
+    cut, outcome = preference_data.fit_pair(same_start, 100, "right")
+    assert outcome == "shortened" and cut["chosen_ids"] == item["chosen_ids"] and len(cut["prompt_ids"]) == 10
+    assert preference_data.fit_pair(same_start, 60, "right") == (None, "chosen and rejected identical within the limit")
+
     examples = _pairs(4)
     full = preference_data.render_pairs(_cfg(), tokenizer, examples)
     longest = max(max(len(it["chosen_ids"]), len(it["rejected_ids"])) for it in full)
     cutoff = longest + 5
     with caplog.at_level(logging.WARNING):
         cut = preference_data.render_pairs(_cfg(cutoff_len=cutoff), tokenizer, examples)
-    assert len(cut) == 4 and "4 example(s) longer than data.cutoff_len" in caplog.text
+    assert len(cut) == 4 and f"after data.cutoff_len={cutoff}: 4 of 4 kept (4 shortened)" in caplog.text
     for before, after in zip(full, cut, strict=True):
-        assert (
-            after["chosen_ids"] == before["chosen_ids"]
-            and after["prompt_ids"] == before["prompt_ids"][-len(after["prompt_ids"]) :]
-        )
+        assert after["prompt_ids"] == before["prompt_ids"][-len(after["prompt_ids"]) :]
         assert len(after["prompt_ids"]) + max(len(after["chosen_ids"]), len(after["rejected_ids"])) <= cutoff
     with pytest.raises(UserError, match="no example fits data.cutoff_len"):
         preference_data.render_pairs(_cfg(cutoff_len=cutoff, truncation="drop"), tokenizer, examples)

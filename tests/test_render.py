@@ -9,6 +9,7 @@ from rlfactory.config.schema import ModelConfig
 from rlfactory.errors import UserError
 from rlfactory.model.loader import load_tokenizer
 from rlfactory.render.chat import IGNORE_INDEX, render_continuation, render_prompt, render_segments, render_sft
+from rlfactory.render.fit import infer_seqlen
 
 TOOLS = [{"type": "function", "function": {"name": "calc", "description": "Evaluate arithmetic.",
                                            "parameters": {"type": "object", "properties": {"expr": {"type": "string"}},
@@ -90,10 +91,18 @@ def test_truncation(tokenizer):
     [item] = render_sft(tokenizer, CONVERSATION, TOOLS)
     n = len(item["input_ids"])
     [cut] = render_sft(tokenizer, CONVERSATION, TOOLS, cutoff_len=n - 5)
-    assert cut["input_ids"] == item["input_ids"][: n - 5] and cut["labels"] == item["labels"][: n - 5]
+    assert len(cut["input_ids"]) == n - 5 and cut["input_ids"][:20] == item["input_ids"][:20]
+    assert _trained_spans(cut["input_ids"], cut["labels"])[:2] == _trained_spans(item["input_ids"], item["labels"])[:2]
     assert render_sft(tokenizer, CONVERSATION, TOOLS, cutoff_len=n - 5, truncation="drop") == [None]
-    # cut inside the system prompt: nothing left to train on -> dropped
-    assert render_sft(tokenizer, CONVERSATION, TOOLS, cutoff_len=10) == [None]
+    # 10 tokens: the first turn's prompt and answer share them as LLaMA-Factory splits them; the prompt keeps its end,
+    # the answer its start, and the turns after it are left out
+    first_answer = _trained_spans(item["input_ids"], item["labels"])[0]
+    start = next(i for i, label in enumerate(item["labels"]) if label != IGNORE_INDEX)
+    keep_prompt, keep_answer = infer_seqlen(start, len(first_answer), 10)
+    assert keep_prompt + keep_answer == 10 and keep_answer >= 1
+    [tiny] = render_sft(tokenizer, CONVERSATION, TOOLS, cutoff_len=10)
+    assert tiny["input_ids"] == item["input_ids"][start - keep_prompt : start] + first_answer[:keep_answer]
+    assert tiny["labels"] == [IGNORE_INDEX] * keep_prompt + first_answer[:keep_answer]
 
 
 def test_tokenizer_without_template_needs_a_named_one(tmp_path):

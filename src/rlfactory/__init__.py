@@ -1,3 +1,3 @@
-"""rlfactory: declarative post-training (sft, rm, dpo, kto, orpo, ppo, grpo) for LLMs."""
+"""rlfactory: declarative post-training (pt, sft, rm, dpo, kto, orpo, ppo, grpo) for LLMs."""
 
 __version__ = "0.1.0"

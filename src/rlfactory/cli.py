@@ -27,7 +27,7 @@ EPILOG = """examples:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlfactory",
-        description="Declarative LLM post-training: sft, rm, dpo, kto, orpo, ppo, grpo from one YAML file.",
+        description="Declarative LLM post-training: pt, sft, rm, dpo, kto, orpo, ppo, grpo from one YAML file.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

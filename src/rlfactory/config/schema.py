@@ -26,7 +26,7 @@ from rlfactory.config.online_schema import (
     _tool_entries,
 )
 
-Stage = Literal["sft", "rm", "dpo", "kto", "orpo", "ppo", "grpo"]
+Stage = Literal["pt", "sft", "rm", "dpo", "kto", "orpo", "ppo", "grpo"]
 
 
 def _non_empty_dir(value: Any) -> Any:
@@ -37,7 +37,7 @@ def _non_empty_dir(value: Any) -> Any:
     return os.path.expanduser(value) if isinstance(value, str) else value
 
 
-STAGES: tuple[str, ...] = ("sft", "rm", "dpo", "kto", "orpo", "ppo", "grpo")
+STAGES: tuple[str, ...] = ("pt", "sft", "rm", "dpo", "kto", "orpo", "ppo", "grpo")
 
 
 # --------------------------------------------------------------------------- shared sections
@@ -128,11 +128,14 @@ class DataConfig(Section):
     dataset_dir: str | None = Field(
         None, description="Folder holding dataset_info.yaml (default: ./data, else the bundled data/)."
     )
-    cutoff_len: int = Field(1024, ge=8, description="Maximum tokens per example (prompt + response).")
+    cutoff_len: int = Field(
+        1024, ge=8, description="Maximum tokens per example (prompt + response); stage pt: the block length."
+    )
     truncation: Literal["right", "drop"] = Field(
         "right",
-        description="Examples longer than cutoff_len: cut at the right end, or drop them. Preference stages "
-        "(rm, dpo, kto, orpo) never cut a response: `right` cuts the prompt from the left instead.",
+        description="Examples longer than cutoff_len: `right` shortens them as LLaMA-Factory does (prompt and response "
+        "share the budget in proportion to their lengths; the prompt keeps its end, the response its start), `drop` "
+        "leaves them out. Either way every shortened or dropped example is counted in the log and by `config check`.",
     )
     train_on: Literal["assistant", "last_assistant", "all"] = Field(
         "assistant",
@@ -141,7 +144,8 @@ class DataConfig(Section):
     packing: bool = Field(
         False,
         description="Padding-free batches: concatenate a micro-batch into one row with per-document "
-        "position ids, so documents never attend to each other and no pad tokens are computed.",
+        "position ids, so documents never attend to each other and no pad tokens are computed. Stage pt always "
+        "packs its text into blocks of cutoff_len tokens.",
     )
     max_samples: int | None = Field(None, ge=1, description="Use at most this many rows per dataset.")
     max_bad_rows: int = Field(
@@ -318,6 +322,7 @@ class ORPOConfig(Section):
 
 
 STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
+    "pt": (),
     "sft": (),
     "rm": ("rm",),
     "dpo": ("dpo",),
@@ -344,7 +349,7 @@ SECTION_CLASSES: dict[str, type[Section]] = {
 class RunConfig(Section):
     """One training run: the stage plus its sections."""
 
-    stage: Stage = Field(..., description="Which stage to run: sft, rm, dpo, kto, orpo, ppo or grpo.")
+    stage: Stage = Field(..., description="Which stage to run: pt, sft, rm, dpo, kto, orpo, ppo or grpo.")
     name: str | None = Field(None, description="Run name (pipelines: how later stages refer to this one).")
     output_dir: str = Field("outputs/run", description="Where checkpoints, logs and the final model go.")
     overwrite_output_dir: bool = Field(False, description="Delete an existing run in output_dir first.")

@@ -14,13 +14,21 @@ from typing import Any
 
 from rlfactory.data.formats import CONVERTERS, RowError
 from rlfactory.data.registry import DatasetSpec, get_spec, load_registry
+from rlfactory.data.trl import CONVERSATION_COLUMNS, UnsupportedType, from_trl, is_trl_row
 from rlfactory.errors import UserError
 
 log = logging.getLogger(__name__)
 
 # What each stage needs from an example: sft trains on a conversation, pairwise/unpaired on
-# preference data, prompt on prompts (rollouts).
-EXAMPLE_KINDS = ("sft", "pairwise", "unpaired", "prompt")
+# preference data, prompt on prompts (rollouts), text on raw text (continued pre-training).
+EXAMPLE_KINDS = ("sft", "pairwise", "unpaired", "prompt", "text")
+# columns a format reads the conversation from when the registry names none (see extra_columns)
+DEFAULT_CONVERSATION_COLUMNS = {
+    "openai": {"messages"},
+    "alpaca": {"instruction", "input", "output", "history"},
+    "sharegpt": {"conversations"},
+    "trl": CONVERSATION_COLUMNS,
+}
 
 
 def _iter_json(path: Path) -> Iterator[dict[str, Any]]:
@@ -45,6 +53,15 @@ def _iter_json(path: Path) -> Iterator[dict[str, Any]]:
             raise UserError(f"{path}: line {number} is not valid JSON ({exc.msg}); fix or remove it") from None
 
 
+def _iter_text(path: Path) -> Iterator[dict[str, Any]]:
+    """A .txt corpus: one document per line, as `datasets`' text loader and LLaMA-Factory read it; blank
+    lines separate nothing and carry no text, so they are skipped."""
+    with path.open(encoding="utf-8") as lines:
+        for line in lines:
+            if line.strip():
+                yield {"text": line.rstrip("\n")}
+
+
 def _iter_rows(spec: DatasetSpec, folder: Path, name: str) -> tuple[str, Iterator[dict[str, Any]]]:
     """(source label, rows) for a registry entry."""
     if spec.hf_path:
@@ -67,16 +84,80 @@ def _iter_rows(spec: DatasetSpec, folder: Path, name: str) -> tuple[str, Iterato
     suffix = path.suffix.lower()
     if suffix in (".json", ".jsonl"):
         return str(path), _iter_json(path)
+    if suffix == ".txt":
+        return str(path), _iter_text(path)
     if suffix in (".csv", ".parquet"):
         import datasets
 
         ds = datasets.load_dataset(suffix[1:], data_files=str(path), split="train")
         return str(path), iter(ds)
-    raise UserError(f"dataset '{name}': unsupported file type '{suffix}' ({path}); use json, jsonl, csv or parquet")
+    raise UserError(
+        f"dataset '{name}': unsupported file type '{suffix}' ({path}); use json, jsonl, txt, csv or parquet"
+    )
+
+
+def convert_row(row: dict[str, Any], spec: DatasetSpec) -> dict[str, Any]:
+    """The canonical example of one row, with every column that did not become the conversation kept under
+    ``columns`` (reward functions and environments read them). openai rows without their `messages` column
+    are read as a TRL dataset type."""
+    column = spec.columns.messages or "messages"
+    if spec.formatting == "openai" and spec.columns.messages is None and column not in row and is_trl_row(row):
+        example = from_trl(row, spec)
+    else:
+        example = CONVERTERS.get(spec.formatting, from_trl)(row, spec)
+    example["columns"] = extra_columns(row, spec, example)
+    return example
+
+
+def extra_columns(row: dict[str, Any], spec: DatasetSpec, example: dict[str, Any]) -> dict[str, Any]:
+    """The row's columns except those that became the conversation (messages, chosen, rejected).
+
+    Mapped columns such as ``answer`` stay under their own name too: a TRL-style reward reads ``solution``."""
+    c = spec.columns
+    named = {c.messages, c.prompt, c.query, c.response, c.history, c.chosen, c.rejected} - {None}
+    conversation = named | DEFAULT_CONVERSATION_COLUMNS[spec.formatting]
+    if example.get("trl_type"):
+        conversation |= CONVERSATION_COLUMNS
+    return {key: value for key, value in row.items() if key not in conversation}
+
+
+def for_kind(example: dict[str, Any], kind: str) -> dict[str, Any]:
+    """A prompt-completion row read as a prompt (rollouts): the prompt messages, the reference completion kept
+    under ``columns["completion"]`` for rewards."""
+    start = example.get("train_from")
+    if kind != "prompt" or start is None:
+        return example
+    completion = example["messages"][start:]
+    reference = completion[0]["content"] if example.get("plain") else completion
+    return {
+        **example,
+        "messages": example["messages"][:start],
+        "columns": {**example["columns"], "completion": reference},
+    }
+
+
+def is_ranking(name: str, folder: Path, specs: dict[str, DatasetSpec]) -> bool:
+    """Preference (chosen/rejected) data: registered with ``ranking: true``, or TRL preference rows (read from the
+    first row, as TRL's KTO trainer unpairs a preference dataset it is given)."""
+    spec = get_spec(name, folder, specs)
+    if spec.ranking:
+        return True
+    if spec.formatting not in ("openai", "trl") or spec.columns.messages is not None:
+        return False
+    _, rows = _iter_rows(spec, folder, name)
+    row = next(iter(rows), None)
+    return isinstance(row, dict) and "chosen" in row and "rejected" in row and "completion" not in row
 
 
 def check_example(example: dict[str, Any], kind: str) -> None:
     """Raise RowError if the example cannot serve a stage of this kind."""
+    if kind == "text":
+        if not isinstance(example.get("text"), str):
+            raise RowError(
+                "continued pre-training (stage pt) trains on raw text: the row needs a `text` column "
+                "(or use a .txt file, one document per line)"
+            )
+        return
     messages = example["messages"]
     roles = [m["role"] for m in messages]
     if "system" in roles[1:]:
@@ -100,7 +181,10 @@ def check_example(example: dict[str, Any], kind: str) -> None:
         if example["chosen"] == example["rejected"]:
             raise RowError("'chosen' and 'rejected' are identical; a preference pair must differ")
     if kind == "unpaired" and example.get("label") is None:
-        raise RowError("KTO rows need a true/false label (set columns.kto_tag in dataset_info.yaml)")
+        raise RowError(
+            "KTO rows need a true/false label (set columns.kto_tag in dataset_info.yaml, or give chosen/rejected "
+            "pairs with `ranking: true` on their entry)"
+        )
 
 
 def load_examples(
@@ -119,7 +203,6 @@ def load_examples(
     for name in names:
         spec = get_spec(name, folder, specs)
         source, rows = _iter_rows(spec, folder, name)
-        convert = CONVERTERS[spec.formatting]
         taken = 0
         for number, row in enumerate(rows, start=1):
             if max_samples is not None and taken >= max_samples:
@@ -127,8 +210,10 @@ def load_examples(
             try:
                 if not isinstance(row, dict):
                     raise RowError("a row must be an object")
-                example = convert(row, spec)
+                example = for_kind(convert_row(row, spec), kind)
                 check_example(example, kind)
+            except UnsupportedType as exc:
+                raise UserError(f"{source} row {number}: {exc}") from None
             except RowError as exc:
                 bad.append(f"{source} row {number}: {exc}")
                 continue

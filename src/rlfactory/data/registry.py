@@ -53,7 +53,11 @@ class DatasetSpec(BaseModel):
     hf_path: str | None = Field(None, description="A `datasets` path/name (must be cached when offline).")
     subset: str | None = None
     split: str = "train"
-    formatting: Literal["alpaca", "sharegpt", "openai"] = "openai"
+    formatting: Literal["alpaca", "sharegpt", "openai", "trl"] = Field(
+        "openai",
+        description="Row layout. openai rows without a `messages` column are read as a TRL dataset type "
+        "(text, prompt, prompt/completion, chosen/rejected, prompt/completion/label), as `trl` reads them.",
+    )
     ranking: bool = Field(False, description="Preference (chosen/rejected) data.")
     columns: Columns = Field(default_factory=Columns)
     tags: Tags = Field(default_factory=Tags)

@@ -1,6 +1,7 @@
 """The environment interface of the agent loop (``rollout/agent.py``), and the default tool environment.
 
-One instance per conversation. ``reset(row)`` gets the canonical example (messages, tools, answer, ...);
+One instance per conversation. ``reset(row)`` gets the canonical example (messages, tools, answer, ..., and every
+other dataset column under ``row["columns"]``, e.g. a code task's ``test_cases``);
 ``step(message, calls)`` gets each assistant turn as a message (``role``, ``content``, ``tool_calls`` of the
 valid calls) plus every parsed call (invalid ones included) and returns a :class:`StepResult`: the
 observation messages to append (``tool`` and/or ``user`` messages), whether the episode is over, and reward

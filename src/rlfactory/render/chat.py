@@ -64,7 +64,11 @@ def _apply(tokenizer: Any, messages: list[dict], tools: list | None, generation_
 
     try:
         return tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+            messages,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+            chat_template=getattr(tokenizer, "render_template", None),  # standard TRL rows: render.plain
         )
     except (TemplateError, TypeError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -232,23 +236,37 @@ def render_prompt(tokenizer: Any, messages: list[dict], tools: list | None = Non
     return _ids(render_contexts(tokenizer, messages, tools, generation_prompt=True)[-1])
 
 
-def _sft_item(
-    segments: list[Segment], train_on: str, cutoff_len: int | None, truncation: str
-) -> dict[str, list[int]] | None:
-    last_trainable = max(i for i, s in enumerate(segments) if s.trainable)
-    input_ids: list[int] = []
-    labels: list[int] = []
-    for index, segment in enumerate(segments):
-        trained = train_on == "all" or (segment.trainable and (train_on == "assistant" or index == last_trainable))
-        input_ids += segment.ids
-        labels += segment.ids if trained else [IGNORE_INDEX] * len(segment.ids)
-    if cutoff_len is not None and len(input_ids) > cutoff_len:
-        if truncation == "drop":
-            return None
-        input_ids, labels = input_ids[:cutoff_len], labels[:cutoff_len]
-    if all(label == IGNORE_INDEX for label in labels[1:]):
-        return None
-    return {"input_ids": input_ids, "labels": labels}
+
+
+def render_sft_outcomes(
+    tokenizer: Any,
+    messages: list[dict],
+    tools: list | None = None,
+    train_on: str = "assistant",
+    cutoff_len: int | None = None,
+    truncation: str = "right",
+    train_from: int = 0,
+) -> list[tuple[dict[str, list[int]] | None, str]]:
+    """(input_ids + labels, outcome) for SFT, one per context (one for a prefix-stable template); the item is
+    None where it was dropped, and the outcome (``kept``, ``shortened`` or why it was dropped) says so.
+
+    train_on: ``assistant`` every assistant turn, ``last_assistant`` only the final one, ``all`` every token
+    (of the whole conversation as the template renders it: the last context); turns before message
+    ``train_from`` are never trained (a prompt-completion row's prompt). A row longer than cutoff_len is
+    shortened as ``render.fit.sft_item`` says (or dropped with ``drop``).
+    """
+    from rlfactory.render.fit import sft_item
+
+    contexts = [
+        c
+        for c in render_contexts(tokenizer, messages, tools)
+        if any(s.trainable and s.message_index >= train_from for s in c)
+    ]
+    if not contexts:
+        raise UserError("the conversation has no assistant turn after its first message: nothing to train")
+    if train_on != "assistant":
+        contexts = contexts[-1:]
+    return [sft_item(segments, train_on, cutoff_len, truncation, train_from) for segments in contexts]
 
 
 def render_sft(
@@ -258,20 +276,11 @@ def render_sft(
     train_on: str = "assistant",
     cutoff_len: int | None = None,
     truncation: str = "right",
+    train_from: int = 0,
 ) -> list[dict[str, list[int]] | None]:
-    """input_ids and labels (IGNORE_INDEX where no loss) for SFT, one item per context (one for a prefix-stable
-    template); an item is None where it must be dropped.
-
-    train_on: ``assistant`` every assistant turn, ``last_assistant`` only the final one, ``all`` every token
-    (of the whole conversation as the template renders it: the last context). Truncation ``right`` cuts at
-    cutoff_len (dropped if no trained token survives).
-    """
-    contexts = [c for c in render_contexts(tokenizer, messages, tools) if any(s.trainable for s in c)]
-    if not contexts:
-        raise UserError("the conversation has no assistant turn after its first message: nothing to train")
-    if train_on != "assistant":
-        contexts = contexts[-1:]
-    return [_sft_item(segments, train_on, cutoff_len, truncation) for segments in contexts]
+    """``render_sft_outcomes`` without the outcomes: one item per context, None where dropped."""
+    outcomes = render_sft_outcomes(tokenizer, messages, tools, train_on, cutoff_len, truncation, train_from)
+    return [item for item, _ in outcomes]
 
 
 def render_continuation(

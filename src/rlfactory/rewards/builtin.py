@@ -4,7 +4,9 @@ Signature of every reward function (built-in or user ``file.py:function``)::
 
     fn(prompt: str, completion: str, answer: str | None, example: dict) -> float | dict[str, float]
 
-``example`` is the canonical example (all dataset columns mapped by the registry).
+``example`` is the canonical example (the columns mapped by the registry), with every other column of the row
+under ``example["columns"]``. Functions in TRL's convention (a ``completions`` parameter) are called batched, as
+TRL calls them: see ``rewards/stack.py``.
 """
 
 from __future__ import annotations

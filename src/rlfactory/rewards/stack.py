@@ -2,7 +2,11 @@
 
 Each component is a reward function (a registry name or ``path/to/file.py:function``, sync or
 ``async def``) called as ``fn(prompt, completion, answer, example, **function_args)``, or the
-reward model. A call that raises, returns something that is not a number (or a dict of numbers), or
+reward model. A function with a ``completions`` parameter is a TRL-style reward and is called as TRL's
+GRPOTrainer calls one, once per batch: ``fn(prompts=[...], completions=[...], completion_ids=[...],
+<column>=[...] for every other dataset column, **function_args) -> list[float | None]`` (conversational rows:
+prompts as message lists, completions as ``[{"role": "assistant", "content": text}]``; ``None`` = does not apply,
+scored 0 as TRL's nansum does). A call that raises, returns something that is not a number (or a dict of numbers), or
 runs past ``reward.timeout_s`` is a *failure*: it scores ``reward.failure_score``, is counted in
 ``reward/<name>/failures`` and logged once per step — a bad reward never crashes a run. Calls run
 on daemon threads, ``reward.num_workers`` at a time, so a hung function cannot block the run (its
@@ -40,6 +44,7 @@ class Sample:
     answer: str | None
     example: dict[str, Any]
     response_length: int  # generated tokens
+    completion_ids: list[int] | None = None  # the generated ids (TRL-style rewards get them)
 
 
 @dataclass
@@ -50,6 +55,31 @@ class Component:
     kwargs: dict[str, Any] = field(default_factory=dict)
     needs_answer: bool = False
     needs_lengths: bool = False
+    trl_style: bool = False  # batched fn(prompts, completions, completion_ids, **columns) -> list
+
+
+TRL_ARGS = ("prompts", "completions", "completion_ids")
+
+
+def is_trl_style(fn: Callable[..., Any]) -> bool:
+    """TRL's reward convention is recognised by its ``completions`` parameter (ours takes ``completion``)."""
+    try:
+        return "completions" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def trl_required_columns(fn: Callable[..., Any], kwargs: dict[str, Any]) -> list[str]:
+    """Dataset columns a TRL-style reward cannot run without: its parameters without a default, beyond TRL's own
+    arguments and ``reward.function_args``."""
+    return [
+        name
+        for name, p in inspect.signature(fn).parameters.items()
+        if p.default is p.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and name not in TRL_ARGS
+        and name not in kwargs
+    ]
 
 
 @dataclass
@@ -79,10 +109,11 @@ def build_components(cfg: RewardConfig) -> list[Component]:
         else:
             fn, traits = REWARD_FUNCTIONS.get(spec), REWARD_FUNCTIONS.traits(spec)
         kwargs = dict(cfg.function_args.get(spec, {}))
-        _check_signature(spec, fn, kwargs, traits.get("needs_lengths", False))
-        components.append(
-            Component(name, weight, fn, kwargs, traits.get("needs_answer", False), traits.get("needs_lengths", False))
-        )
+        trl_style = is_trl_style(fn)
+        if not trl_style:
+            _check_signature(spec, fn, kwargs, traits.get("needs_lengths", False))
+        needs = traits.get("needs_answer", False), traits.get("needs_lengths", False)
+        components.append(Component(name, weight, fn, kwargs, *needs, trl_style=trl_style))
     return components
 
 
@@ -167,6 +198,8 @@ class RewardStack:
         return [c.name for c in self.components] + ([RM_NAME] if self.reward_model is not None else [])
 
     def _call_component(self, comp: Component, samples: list[Sample]) -> list[tuple[Any, str | None]]:
+        if comp.trl_style:
+            return self._call_trl(comp, samples)
         arg_sets = [(s.prompt, s.completion, s.answer, s.example) for s in samples]
         kwargs = [
             {
@@ -183,6 +216,20 @@ class RewardStack:
             return _run_async(comp.fn, arg_sets, kwargs, self.cfg.timeout_s)
         calls = [lambda a=a, k=k: comp.fn(*a, **k) for a, k in zip(arg_sets, kwargs, strict=True)]
         return _run_threads(calls, self.cfg.timeout_s, self.cfg.num_workers)
+
+    def _call_trl(self, comp: Component, samples: list[Sample]) -> list[tuple[Any, str | None]]:
+        """One batched call, as TRL's GRPOTrainer makes it; a failed call fails every sample of the batch."""
+        kwargs = {**trl_inputs(samples), **comp.kwargs}
+        if inspect.iscoroutinefunction(comp.fn):
+            [(values, error)] = _run_async(comp.fn, [()], [kwargs], self.cfg.timeout_s)
+        else:
+            [(values, error)] = _run_threads([lambda: comp.fn(**kwargs)], self.cfg.timeout_s, 1)
+        if error is None and (not isinstance(values, list | tuple) or len(values) != len(samples)):
+            error = f"returned {type(values).__name__} of length {len(values) if hasattr(values, '__len__') else '?'}"
+            error += f"; a TRL-style reward returns one value per completion ({len(samples)})"
+        if error is not None:
+            return [(None, error)] * len(samples)
+        return [(0.0 if value is None else value, None) for value in values]
 
     def score(self, samples: list[Sample]) -> Scores:
         total = [0.0] * len(samples)
@@ -214,6 +261,31 @@ class RewardStack:
             components[RM_NAME], failures[RM_NAME] = values, 0
             total = [t + self.cfg.reward_model_weight * v for t, v in zip(total, values, strict=True)]
         return Scores(total, components, parts, failures)
+
+
+def trl_inputs(samples: list[Sample]) -> dict[str, list[Any]]:
+    """TRL's reward arguments for a batch: prompts and completions (strings for standard rows, messages for
+    conversations), completion ids, and every other dataset column as a list (``example["columns"]``)."""
+    plain = [bool(s.example.get("plain")) for s in samples]
+    inputs: dict[str, list[Any]] = {
+        "prompts": [
+            _trl_prompt(s.example) if p else s.example["messages"] for s, p in zip(samples, plain, strict=True)
+        ],
+        "completions": [
+            s.completion if p else [{"role": "assistant", "content": s.completion}]
+            for s, p in zip(samples, plain, strict=True)
+        ],
+        "completion_ids": [s.completion_ids for s in samples],
+    }
+    names = {key for s in samples for key in s.example.get("columns", {})} - set(TRL_ARGS)
+    for name in sorted(names):
+        inputs[name] = [s.example.get("columns", {}).get(name) for s in samples]
+    return inputs
+
+
+def _trl_prompt(example: dict[str, Any]) -> str:
+    """A standard row's prompt text, as the dataset gave it."""
+    return "".join(m["content"] for m in example["messages"])
 
 
 def score_metrics(scores: Scores, prefix: str = "reward") -> dict[str, float]:

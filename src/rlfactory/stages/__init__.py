@@ -9,6 +9,7 @@ from rlfactory.errors import UserError
 
 # stage -> (module, the kind of example its data must provide; see data.loader.EXAMPLE_KINDS)
 STAGE_MODULES: dict[str, tuple[str, str]] = {
+    "pt": ("rlfactory.stages.pt", "text"),  # continued pre-training on raw text
     "sft": ("rlfactory.stages.sft", "sft"),
     "rm": ("rlfactory.stages.rm", "pairwise"),
     "dpo": ("rlfactory.stages.dpo", "pairwise"),

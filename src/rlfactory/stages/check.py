@@ -13,14 +13,14 @@ from rlfactory.config.schema import PipelineConfig, RunConfig
 
 def _load(run: RunConfig, names: list[str], max_samples: int | None) -> tuple[list[dict], str]:
     """Examples of each dataset, validated as the kind the stage reads it as (and that kind, for the notes)."""
-    from rlfactory.data.loader import load_examples
-    from rlfactory.data.registry import get_spec, load_registry
+    from rlfactory.data.loader import is_ranking, load_examples
+    from rlfactory.data.registry import load_registry
     from rlfactory.stages import dataset_kind
 
     folder, specs = load_registry(run.data.dataset_dir)
     examples, kinds = [], set()
     for name in names:
-        kind = dataset_kind(run.stage, get_spec(name, folder, specs).ranking)
+        kind = dataset_kind(run.stage, is_ranking(name, folder, specs))
         kinds.add(kind)
         examples += load_examples([name], kind, run.data.dataset_dir, max_samples, run.data.max_bad_rows)
     return examples, "+".join(sorted(kinds))
@@ -67,6 +67,9 @@ def check_run(run: RunConfig) -> list[str]:
         tokenizer = load_tokenizer(run.model)
         notes.append(f"[{run.name or run.stage}] model: {run.model.name_or_path} (tokenizer loads)")
         notes.append(f"[{run.name or run.stage}] chat template: {check_template(tokenizer, train)}")
+        fit_counts = getattr(get_stage(run.stage), "fit_counts", None)  # what the length limit does to the rows
+        if fit_counts is not None:
+            notes.append(f"[{run.name or run.stage}] data {fit_counts(run, tokenizer, train).summary()}")
     else:
         notes.append(
             f"[{run.name or run.stage}] model: {run.model.name_or_path or 'from stage ' + str(run.model.from_stage)}"

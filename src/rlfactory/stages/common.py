@@ -81,9 +81,11 @@ def evaluate_generation(model: Any, tokenizer: Any, prompts: list[dict[str, Any]
     from accelerate.utils import gather_object
 
     from rlfactory.render.chat import render_prompt
+    from rlfactory.render.plain import tokenizer_for
     from rlfactory.rewards.builtin import metric_score
     from rlfactory.rollout.hf import generate_ids
 
+    tokenizer = tokenizer_for(tokenizer, prompts)  # standard TRL prompts: plain text, ended by eos
     state = process_state()
     share = math.ceil(len(prompts) / state.num_processes)
     mine = list(range(len(prompts)))[state.process_index * share : (state.process_index + 1) * share]

@@ -26,8 +26,11 @@ from rlfactory.engine.offline import Batch, StageParts, train
 from rlfactory.errors import UserError, did_you_mean
 from rlfactory.model import reference
 from rlfactory.model.reference import ReferencePolicy
+from rlfactory.render.plain import tokenizer_for
 from rlfactory.stages import common, preference_data
 from rlfactory.stages.preference_data import PAIR_ACCURACY, collate_pairs, forward_logps
+
+fit_counts = preference_data.fit_counts  # `rlfactory config check`: what data.cutoff_len does to the pairs
 
 log = logging.getLogger(__name__)
 
@@ -181,8 +184,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     tokenizer = load_tokenizer(cfg.model)
 
     train_examples, eval_examples = preference_data.load_train_eval(cfg, "pairwise")
-    train_items = preference_data.render_pairs(cfg, tokenizer, train_examples)
-    eval_items = preference_data.render_pairs(cfg, tokenizer, eval_examples) if eval_examples else None
+    renderer = tokenizer_for(tokenizer, train_examples, eval_examples)  # plain text for standard TRL rows
+    train_items = preference_data.render_pairs(cfg, renderer, train_examples)
+    eval_items = preference_data.render_pairs(cfg, renderer, eval_examples) if eval_examples else None
     eval_prompts = common.load_eval_prompts(cfg)
 
     model = load_model(cfg.model, cfg.lora, cfg.freeze, torch_compile=cfg.train.torch_compile)

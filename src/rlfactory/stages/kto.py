@@ -29,8 +29,17 @@ from rlfactory.config.schema import KTOConfig, RunConfig
 from rlfactory.engine.offline import Batch, StageParts, train
 from rlfactory.errors import UserError
 from rlfactory.model.reference import ReferencePolicy, build_reference
+from rlfactory.render.fit import FitCounts, infer_seqlen
+from rlfactory.render.plain import tokenizer_for
 from rlfactory.stages import common, preference_data
-from rlfactory.stages.preference_data import fit_prompt, forward_logps, pad_rows, reference_logps, warn_truncation
+from rlfactory.stages.preference_data import (
+    finish_counts,
+    fit_prompt,
+    forward_logps,
+    pad_rows,
+    reference_logps,
+    tally,
+)
 
 log = logging.getLogger(__name__)
 MARGINS = "eval reward margin (desirable - undesirable; 0 at step 0)"
@@ -47,8 +56,8 @@ def split_pairs(pairs: list[dict]) -> list[dict]:
 
 def load_kto_examples(cfg: RunConfig, names: list[str]) -> list[dict]:
     """Unpaired examples: ranking datasets are split (one example per side), others need labels."""
-    from rlfactory.data.loader import load_examples
-    from rlfactory.data.registry import get_spec, load_registry
+    from rlfactory.data.loader import is_ranking, load_examples
+    from rlfactory.data.registry import load_registry
     from rlfactory.stages import dataset_kind
 
     d = cfg.data
@@ -56,7 +65,7 @@ def load_kto_examples(cfg: RunConfig, names: list[str]) -> list[dict]:
     examples: list[dict] = []
     pairs: list[dict] = []
     for name in names:
-        if dataset_kind("kto", get_spec(name, folder, specs).ranking) == "pairwise":
+        if dataset_kind("kto", is_ranking(name, folder, specs)) == "pairwise":
             log.info("dataset '%s' is preference data: each pair gives one desirable + one undesirable example", name)
             pairs += load_examples([name], "pairwise", d.dataset_dir, d.max_samples, d.max_bad_rows)
         else:
@@ -85,24 +94,52 @@ def check_labels(examples: list[dict], names: list[str], section: KTOConfig) -> 
         )
 
 
-def render_unpaired(cfg: RunConfig, tokenizer: Any, examples: list[dict]) -> list[dict[str, Any]]:
-    """Prompt = messages up to the last user turn; completion = the rest (its tool results are not trained)."""
+def fit_unpaired(item: dict[str, Any], cutoff_len: int, truncation: str) -> tuple[dict[str, Any] | None, str]:
+    """(the example within ``cutoff_len``, outcome), split as ``preference_data.fit_pair`` splits a pair."""
+    prompt, ids = item["prompt_ids"], item["ids"]
+    if len(prompt) + len(ids) <= cutoff_len:
+        return item, "kept"
+    if truncation == "drop":
+        return None, "longer than the limit (data.truncation: drop)"
+    keep_prompt, keep_completion = infer_seqlen(len(prompt), len(ids), cutoff_len)
+    cut = {**item, "prompt_ids": prompt[len(prompt) - keep_prompt :], "ids": ids[:keep_completion]}
+    cut["mask"] = item["mask"][:keep_completion]
+    if not any(cut["mask"]) or not cut["prompt_ids"]:
+        return None, "no trained token left within the limit"
+    return cut, "shortened"
+
+
+def render_unpaired(
+    cfg: RunConfig, tokenizer: Any, examples: list[dict], counts: FitCounts | None = None
+) -> list[dict[str, Any]]:
+    """Prompt = the prompt of a prompt-completion row, else messages up to the last user turn; completion = the
+    rest (its tool results are not trained). Rows longer than data.cutoff_len are shortened or dropped, counted."""
     from rlfactory.render.chat import for_row, render_continuation
 
-    items, cut, dropped = [], 0, 0
+    counts = counts if counts is not None else FitCounts(f"data.cutoff_len={cfg.data.cutoff_len}")
+    items = []
     for example in examples:
         messages = example["messages"]
-        split = max(i for i, m in enumerate(messages) if m["role"] == "user") + 1
+        split = example.get("train_from") or max(i for i, m in enumerate(messages) if m["role"] == "user") + 1
         with for_row(example):
             prompt, ids, mask = render_continuation(tokenizer, messages[:split], messages[split:], example["tools"])
-        fitted = fit_prompt(prompt, len(ids), cfg.data.cutoff_len, cfg.data.truncation)
-        if fitted is None:
-            dropped += 1
-            continue
-        cut += fitted is not prompt
-        items.append({"prompt_ids": fitted, "ids": ids, "mask": mask, "label": bool(example["label"])})
-    warn_truncation(cut, dropped, len(examples), cfg)
+        item = {"prompt_ids": prompt, "ids": ids, "mask": mask, "label": bool(example["label"])}
+        item, outcome = fit_unpaired(item, cfg.data.cutoff_len, cfg.data.truncation)
+        tally(counts, outcome)
+        if item is not None:
+            items.append(item)
+    finish_counts(counts, "kto examples", cfg)
     return items
+
+
+def fit_counts(cfg: RunConfig, tokenizer: Any, examples: list[dict]) -> FitCounts:
+    """What data.cutoff_len does to these examples (``rlfactory config check``)."""
+    counts = FitCounts(f"data.cutoff_len={cfg.data.cutoff_len}")
+    examples = [e for e in examples if e.get("label") is not None] + split_pairs(
+        [e for e in examples if e.get("label") is None]  # ranking data: one example per side, as the stage reads it
+    )
+    render_unpaired(cfg, tokenizer_for(tokenizer, examples), examples, counts)
+    return counts
 
 
 def mismatched(items: list[dict]) -> list[dict]:
@@ -203,8 +240,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     train_examples, eval_examples = common.split_eval(examples, cfg.data.eval_split, cfg.seed)
     if cfg.data.eval_dataset:
         eval_examples = load_kto_examples(cfg, cfg.data.eval_dataset)
-    train_items = render_unpaired(cfg, tokenizer, train_examples)
-    eval_items = render_unpaired(cfg, tokenizer, eval_examples) if eval_examples else None
+    renderer = tokenizer_for(tokenizer, train_examples, eval_examples)  # plain text for standard TRL rows
+    train_items = render_unpaired(cfg, renderer, train_examples)
+    eval_items = render_unpaired(cfg, renderer, eval_examples) if eval_examples else None
     eval_prompts = common.load_eval_prompts(cfg)
 
     model = load_model(cfg.model, cfg.lora, cfg.freeze, torch_compile=cfg.train.torch_compile)

@@ -24,6 +24,8 @@ from rlfactory.engine.offline import Batch
 from rlfactory.errors import UserError
 from rlfactory.model.reference import ReferencePolicy
 from rlfactory.render.chat import for_row, render_continuation
+from rlfactory.render.fit import FitCounts, infer_seqlen
+from rlfactory.render.plain import tokenizer_for
 from rlfactory.stages import common
 
 log = logging.getLogger(__name__)
@@ -44,10 +46,9 @@ def load_train_eval(cfg: RunConfig, kind: str) -> tuple[list[dict], list[dict]]:
 
 
 def fit_prompt(prompt: list[int], longest_response: int, cutoff_len: int, truncation: str) -> list[int] | None:
-    """The prompt, cut from the LEFT so the whole response fits in ``cutoff_len``; None means drop.
-
-    Preference losses compare complete responses, so the response is never cut (cutting both sides
-    could make them identical). At least one prompt token must stay: it predicts the first response token.
+    """The prompt, cut from the LEFT so a whole response of ``longest_response`` tokens fits in ``cutoff_len``
+    (KTO's mismatched rows pair a prompt with another row's completion); None means drop. At least one prompt token
+    must stay: it predicts the first response token.
     """
     room = cutoff_len - longest_response
     if len(prompt) <= room:
@@ -73,35 +74,78 @@ def render_pair(tokenizer: Any, example: dict) -> dict[str, list]:
     return item
 
 
-def warn_truncation(cut: int, dropped: int, total: int, cfg: RunConfig) -> None:
-    """Say how many examples truncation touched; no example left is an error."""
-    if cut:
-        log.warning("%d example(s) longer than data.cutoff_len=%d: prompt cut from the left", cut, cfg.data.cutoff_len)
-    if dropped:
-        log.warning(
-            "%d example(s) dropped: the response does not fit in data.cutoff_len=%d%s",
-            dropped,
-            cfg.data.cutoff_len,
-            " (data.truncation=drop)" if cfg.data.truncation == "drop" else "",
-        )
-    if dropped == total:
+def fit_pair(item: dict[str, Any], cutoff_len: int, truncation: str) -> tuple[dict[str, Any] | None, str]:
+    """(the pair within ``cutoff_len``, outcome): ``kept``, ``shortened`` or why it was dropped.
+
+    Too long with ``truncation: right``: the prompt and the longer response split the budget as LLaMA-Factory
+    splits them (``render.fit.infer_seqlen``); the prompt keeps its end, both responses keep their start, cut to
+    the same length. Where that cut makes the two sides identical (pairs often differ only near their end), the
+    responses get all the room but what the prompt needs (at least one token). A pair still identical, or left
+    without a trained token, is dropped.
+    """
+    prompt, chosen, rejected = item["prompt_ids"], item["chosen_ids"], item["rejected_ids"]
+    longest = max(len(chosen), len(rejected))
+    if len(prompt) + longest <= cutoff_len:
+        return item, "kept"
+    if truncation == "drop":
+        return None, "longer than the limit (data.truncation: drop)"
+    cut = _cut_pair(item, *infer_seqlen(len(prompt), longest, cutoff_len))
+    if cut["chosen_ids"] == cut["rejected_ids"]:  # they differ late: give the responses all the room the prompt spares
+        keep_response = min(longest, cutoff_len - 1)
+        cut = _cut_pair(item, min(len(prompt), cutoff_len - keep_response), keep_response)
+    if cut["chosen_ids"] == cut["rejected_ids"]:
+        return None, "chosen and rejected identical within the limit"
+    if not (any(cut["chosen_mask"]) and any(cut["rejected_mask"])) or not cut["prompt_ids"]:
+        return None, "no trained token left within the limit"
+    return cut, "shortened"
+
+
+def _cut_pair(item: dict[str, Any], keep_prompt: int, keep_response: int) -> dict[str, Any]:
+    """The pair with the prompt's last ``keep_prompt`` tokens and each response's first ``keep_response``."""
+    cut = {**item, "prompt_ids": item["prompt_ids"][len(item["prompt_ids"]) - keep_prompt :]}
+    for side in ("chosen", "rejected"):
+        cut[f"{side}_ids"] = item[f"{side}_ids"][:keep_response]
+        cut[f"{side}_mask"] = item[f"{side}_mask"][:keep_response]
+    return cut
+
+
+def tally(counts: FitCounts, outcome: str) -> None:
+    """Add one row's outcome (from ``fit_pair`` or the kto equivalent) to ``counts``."""
+    if outcome == "kept":
+        counts.kept += 1
+    elif outcome == "shortened":
+        counts.shortened += 1
+    else:
+        counts.drop(outcome)
+
+
+def finish_counts(counts: FitCounts, what: str, cfg: RunConfig) -> None:
+    """Log what the limit changed; no example left is an error."""
+    counts.report(what)
+    if counts.total and counts.kept + counts.shortened == 0:
         raise UserError(f"no example fits data.cutoff_len={cfg.data.cutoff_len}; raise it")
 
 
-def render_pairs(cfg: RunConfig, tokenizer: Any, examples: list[dict]) -> list[dict[str, Any]]:
-    """Render and truncate every pair; counts what truncation cut or dropped."""
-    items, cut, dropped = [], 0, 0
+def render_pairs(
+    cfg: RunConfig, tokenizer: Any, examples: list[dict], counts: FitCounts | None = None
+) -> list[dict[str, Any]]:
+    """Render every pair and fit it into data.cutoff_len; every shortened or dropped pair is counted."""
+    counts = counts if counts is not None else FitCounts(f"data.cutoff_len={cfg.data.cutoff_len}")
+    items = []
     for example in examples:
-        item = render_pair(tokenizer, example)
-        longest = max(len(item["chosen_ids"]), len(item["rejected_ids"]))
-        prompt = fit_prompt(item["prompt_ids"], longest, cfg.data.cutoff_len, cfg.data.truncation)
-        if prompt is None:
-            dropped += 1
-            continue
-        cut += prompt is not item["prompt_ids"]
-        items.append({**item, "prompt_ids": prompt})
-    warn_truncation(cut, dropped, len(examples), cfg)
+        item, outcome = fit_pair(render_pair(tokenizer, example), cfg.data.cutoff_len, cfg.data.truncation)
+        tally(counts, outcome)
+        if item is not None:
+            items.append(item)
+    finish_counts(counts, "preference pairs", cfg)
     return items
+
+
+def fit_counts(cfg: RunConfig, tokenizer: Any, examples: list[dict]) -> FitCounts:
+    """What data.cutoff_len does to these pairs (``rlfactory config check``)."""
+    counts = FitCounts(f"data.cutoff_len={cfg.data.cutoff_len}")
+    render_pairs(cfg, tokenizer_for(tokenizer, examples), examples, counts)
+    return counts
 
 
 def pad_rows(rows: list[Row], pad_id: int) -> Batch:

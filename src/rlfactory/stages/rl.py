@@ -31,6 +31,8 @@ from typing import Any
 
 from rlfactory.config.schema import CriticConfig, RunConfig
 from rlfactory.errors import UserError
+from rlfactory.render.fit import FitCounts
+from rlfactory.render.plain import tokenizer_for
 from rlfactory.stages import common
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,23 @@ def check_columns(examples: list[dict[str, Any]], needs_answer: list[str], datas
         )
 
 
+def check_trl_columns(examples: list[dict[str, Any]], components: list, dataset: str) -> None:
+    """Every column a TRL-style reward takes as a required argument (``fn(completions, solution, **kwargs)``) must
+    be in every row: TRL would fail at the first batch, we fail before any model loads."""
+    from rlfactory.rewards.stack import trl_required_columns
+
+    for comp in (c for c in components if c.trl_style):
+        for name in trl_required_columns(comp.fn, comp.kwargs):
+            missing = [ex for ex in examples if name not in ex.get("columns", {})]
+            if missing:
+                have = ", ".join(sorted(missing[0].get("columns", {}))) or "none"
+                raise UserError(
+                    f"reward '{comp.name}' takes the dataset column '{name}', which {len(missing)} of {len(examples)} "
+                    f"rows of '{dataset}' lack (first: {missing[0].get('source')}; its other columns: {have}); add "
+                    f"the column, give `{name}` a default, or set it in reward.function_args"
+                )
+
+
 def check_backend(cfg: RunConfig) -> None:
     """What this environment's rollout cannot do, said before any model loads: a backend whose package (its
     ``package`` trait, e.g. vllm) is not installed (found, not imported)."""
@@ -111,6 +130,7 @@ def load_prompt_sets(cfg: RunConfig) -> tuple[list[dict], list[dict], list[Any]]
     answer_users = [c.name for c in components if c.needs_answer]
     train = load_examples(data.dataset, "prompt", data.dataset_dir, data.max_samples, data.max_bad_rows)
     check_columns(train, answer_users, ", ".join(data.dataset))
+    check_trl_columns(train, components, ", ".join(data.dataset))
     evals: list[dict] = []
     if ev.dataset:
         metric_needs = (
@@ -118,12 +138,13 @@ def load_prompt_sets(cfg: RunConfig) -> tuple[list[dict], list[dict], list[Any]]
         )
         evals = load_examples([ev.dataset], "prompt", data.dataset_dir, ev.max_samples, data.max_bad_rows)
         check_columns(evals, answer_users + metric_needs, ev.dataset)
+        check_trl_columns(evals, components, ev.dataset)
     if agent_enabled(cfg):  # tools load and rows are checked here, before any model
         prepare_tool_examples(cfg, train + evals)
     return train, evals, components
 
 
-def render_prompts(cfg: RunConfig, tokenizer: Any, examples: list[dict]) -> list[dict]:
+def render_prompts(cfg: RunConfig, tokenizer: Any, examples: list[dict], counts: FitCounts | None = None) -> list[dict]:
     """Attach ``prompt_ids`` (the one rendering path); drop prompts longer than rollout.max_prompt_len."""
     from rlfactory.render.chat import HARMONY_STOPS, for_row, render_prompt, stop_strings
     from rlfactory.rollout.agent import agent_enabled
@@ -136,25 +157,36 @@ def render_prompts(cfg: RunConfig, tokenizer: Any, examples: list[dict]) -> list
             "use agent.parser: harmony exactly for GPT-OSS's harmony format (turns ending <|call|> or <|return|>)"
         )
     kept = []
+    counts = counts if counts is not None else FitCounts(f"rollout.max_prompt_len={cfg.rollout.max_prompt_len}")
     for example in examples:
         with for_row(example):
             ids = render_prompt(tokenizer, example["messages"], example.get("tools"))
         if len(ids) <= cfg.rollout.max_prompt_len:
             kept.append({**example, "prompt_ids": ids})
-    if len(kept) < len(examples):
-        dropped, limit = len(examples) - len(kept), cfg.rollout.max_prompt_len
-        log.warning("%d prompt(s) longer than rollout.max_prompt_len=%d dropped", dropped, limit)
+            counts.kept += 1
+        else:  # never cut: a prompt cut short asks another question, and its answer column would not fit it
+            counts.drop("prompt longer than the limit")
+    counts.report("prompts")
     if not kept:
         raise UserError(f"no prompt fits rollout.max_prompt_len={cfg.rollout.max_prompt_len}; raise it")
     return kept
 
 
+def fit_counts(cfg: RunConfig, tokenizer: Any, examples: list[dict]) -> FitCounts:
+    """What rollout.max_prompt_len does to these prompts (``rlfactory config check``)."""
+    counts = FitCounts(f"rollout.max_prompt_len={cfg.rollout.max_prompt_len}")
+    render_prompts(cfg, tokenizer_for(tokenizer, examples), examples, counts)
+    return counts
+
+
 def check(cfg: RunConfig) -> list[str]:
     """Everything that can fail before a model loads (``rlfactory config check`` calls this)."""
     train, evals, components = load_prompt_sets(cfg)
+    columns = sorted({name for example in train for name in example.get("columns", {})})
     return [
         f"[{cfg.name or cfg.stage}] {len(train)} prompts, {len(evals)} eval prompts, rewards: "
-        f"{', '.join(c.name for c in components) or 'reward model'}"
+        f"{', '.join(c.name for c in components) or 'reward model'}; other columns rewards and environments see: "
+        f"{', '.join(columns) or 'none'}"
     ]
 
 
@@ -184,7 +216,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         cfg.critic = CriticConfig()  # the critic's defaults, written into the run's config.yaml
     set_seed(cfg.seed)  # before any model is built: LoRA and value-head initialisation are random
     prompts, eval_prompts, _ = load_prompt_sets(cfg)
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer = tokenizer_for(load_tokenizer(cfg.model), prompts, eval_prompts)  # plain text: standard TRL rows
     prompts = render_prompts(cfg, tokenizer, prompts)
     eval_prompts = render_prompts(cfg, tokenizer, eval_prompts) if eval_prompts else []
 

@@ -21,9 +21,12 @@ import torch.nn.functional as F
 from rlfactory.config.schema import RMConfig, RunConfig
 from rlfactory.engine.offline import Batch, StageParts, train
 from rlfactory.errors import UserError
+from rlfactory.render.plain import tokenizer_for
 from rlfactory.stages import common, preference_data
 from rlfactory.stages.dpo import count_pairs
 from rlfactory.stages.preference_data import collate_pairs
+
+fit_counts = preference_data.fit_counts  # `rlfactory config check`: what data.cutoff_len does to the pairs
 
 HELDOUT = "eval pair accuracy (reward chosen > rejected; step 0: untrained head)"
 
@@ -87,8 +90,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
     train_examples, eval_examples = preference_data.load_train_eval(cfg, "pairwise")
     check_margins(cfg.rm, train_examples + eval_examples)
-    train_items = preference_data.render_pairs(cfg, tokenizer, train_examples)
-    eval_items = preference_data.render_pairs(cfg, tokenizer, eval_examples) if eval_examples else None
+    renderer = tokenizer_for(tokenizer, train_examples, eval_examples)  # plain text for standard TRL rows
+    train_items = preference_data.render_pairs(cfg, renderer, train_examples)
+    eval_items = preference_data.render_pairs(cfg, renderer, eval_examples) if eval_examples else None
 
     model = load_reward_model_for_training(cfg, tokenizer.pad_token_id)
     common.start_output_dir(cfg, resume_from)

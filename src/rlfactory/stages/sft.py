@@ -21,48 +21,63 @@ from rlfactory.config.schema import RunConfig
 from rlfactory.engine.offline import Batch, StageParts, train
 from rlfactory.errors import UserError
 from rlfactory.render.chat import IGNORE_INDEX
+from rlfactory.render.fit import FitCounts
+from rlfactory.render.plain import tokenizer_for
 from rlfactory.stages import common
 
 log = logging.getLogger(__name__)
 
 
-def render_examples(cfg: RunConfig, tokenizer: Any, examples: list[dict]) -> list[dict[str, list[int]]]:
-    """Canonical examples -> input_ids/labels; counts what truncation dropped.
+def render_examples(
+    cfg: RunConfig, tokenizer: Any, examples: list[dict], counts: FitCounts | None = None
+) -> list[dict[str, list[int]]]:
+    """Canonical examples -> input_ids/labels; rows longer than data.cutoff_len are shortened (or dropped), each
+    counted in ``counts`` and logged.
 
     A template that rewrites history (Qwen3, Mistral) gives a conversation one sequence per rewritten turn
     (``render.chat`` module doc); that is said once, with the counts."""
-    from rlfactory.render.chat import for_row, render_sft
+    from rlfactory.render.chat import for_row, render_sft_outcomes
 
-    rendered, dropped, split = [], 0, 0
+    counts = counts if counts is not None else FitCounts(f"data.cutoff_len={cfg.data.cutoff_len}")
+    d, rendered, split, sequences = cfg.data, [], 0, 0
     for example in examples:
         with for_row(example):
-            items = render_sft(
+            outcomes = render_sft_outcomes(
                 tokenizer,
                 example["messages"],
                 example.get("tools"),
-                cfg.data.train_on,
-                cfg.data.cutoff_len,
-                cfg.data.truncation,
+                d.train_on,
+                d.cutoff_len,
+                d.truncation,
+                example.get("train_from", 0),
             )
-        split += len(items) > 1
-        dropped += sum(item is None for item in items)
-        rendered += [item for item in items if item is not None]
+        split += len(outcomes) > 1
+        sequences += len(outcomes)
+        for item, outcome in outcomes:
+            if item is None:
+                counts.drop(outcome)
+                continue
+            counts.shortened += outcome == "shortened"
+            counts.kept += outcome == "kept"
+            rendered.append(item)
     if split:
         log.info(
             "the chat template rewrites earlier turns: %d conversation(s) trained as one sequence per rewritten "
-            "turn (%d sequences in all)",
+            "turn (%d sequences in all; the counts below are sequences)",
             split,
-            len(rendered) + dropped,
+            sequences,
         )
-    if dropped:
-        log.warning(
-            "%d sequence(s) dropped: longer than data.cutoff_len=%d with nothing left to train on",
-            dropped,
-            cfg.data.cutoff_len,
-        )
+    counts.report("sft examples")
     if not rendered:
         raise UserError(f"no example fits data.cutoff_len={cfg.data.cutoff_len}; raise it")
     return rendered
+
+
+def fit_counts(cfg: RunConfig, tokenizer: Any, examples: list[dict]) -> FitCounts:
+    """What data.cutoff_len does to these examples (``rlfactory config check``)."""
+    counts = FitCounts(f"data.cutoff_len={cfg.data.cutoff_len}")
+    render_examples(cfg, tokenizer_for(tokenizer, examples), examples, counts)
+    return counts
 
 
 def collate_padded(pad_id: int):
@@ -146,8 +161,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         eval_examples = load_examples(
             cfg.data.eval_dataset, "sft", cfg.data.dataset_dir, cfg.data.max_samples, cfg.data.max_bad_rows
         )
-    train_items = render_examples(cfg, tokenizer, train_examples)
-    eval_items = render_examples(cfg, tokenizer, eval_examples) if eval_examples else None
+    renderer = tokenizer_for(tokenizer, train_examples, eval_examples)  # plain text for standard TRL rows
+    train_items = render_examples(cfg, renderer, train_examples)
+    eval_items = render_examples(cfg, renderer, eval_examples) if eval_examples else None
     eval_prompts = common.load_eval_prompts(cfg)
 
     model = load_model(cfg.model, cfg.lora, cfg.freeze, torch_compile=cfg.train.torch_compile)

@@ -34,7 +34,7 @@ def build_app() -> Any:
     from rlfactory.webui.train_tab import TrainTab
 
     with gr.Blocks(title="rlfactory", analytics_enabled=False) as app:
-        gr.Markdown(f"## rlfactory {__version__} · LLM post-training: sft, rm, dpo, kto, orpo, ppo, grpo")
+        gr.Markdown(f"## rlfactory {__version__} · LLM post-training: pt, sft, rm, dpo, kto, orpo, ppo, grpo")
         with gr.Tabs(elem_id="tabs") as tabs:
             with gr.Tab("Train", id="train", elem_id="tab-train"):
                 train = TrainTab()

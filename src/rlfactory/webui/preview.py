@@ -57,12 +57,20 @@ def _block(title: str, body: str, n_tokens: int, n_trained: int) -> str:
 def render_example(tokenizer: Any, example: dict[str, Any], kind: str, data_cfg: Any) -> str:
     """One example as HTML blocks (two for a preference pair)."""
     from rlfactory.render.chat import render_continuation, render_prompt, render_sft
+    from rlfactory.render.plain import tokenizer_for
 
     source = example.get("source", "")
     tools = example.get("tools")
+    tokenizer = tokenizer_for(tokenizer, [example])  # standard TRL rows: plain text
+    if kind == "text":  # stage pt: the document as it enters the packed blocks, every token trained
+        from rlfactory.stages.pt import document_ids
+
+        ids = document_ids(tokenizer, example["text"])
+        return _block(source, _spans(tokenizer, ids, [True] * len(ids)), len(ids), len(ids))
     if kind in ("sft", "unpaired"):
         train_on = "last_assistant" if kind == "unpaired" else data_cfg.train_on
-        items = render_sft(tokenizer, example["messages"], tools, train_on, data_cfg.cutoff_len, data_cfg.truncation)
+        fit = data_cfg.cutoff_len, data_cfg.truncation, example.get("train_from", 0)
+        items = render_sft(tokenizer, example["messages"], tools, train_on, *fit)
         label = "" if kind == "sft" else f" · label: {'desirable' if example.get('label') else 'undesirable'}"
         blocks = []
         for n, item in enumerate(items):  # several when the template rewrites history: one per context
@@ -101,14 +109,14 @@ def _data_config(data: dict[str, Any]) -> Any:
 
 def _load(stage: str, data_cfg: Any) -> list[tuple[str, dict[str, Any]]]:
     """(kind, example) for every row of the datasets, each read as the kind the stage reads it as."""
-    from rlfactory.data.loader import load_examples
-    from rlfactory.data.registry import get_spec, load_registry
+    from rlfactory.data.loader import is_ranking, load_examples
+    from rlfactory.data.registry import load_registry
     from rlfactory.stages import dataset_kind
 
     folder, specs = load_registry(data_cfg.dataset_dir)
     loaded = []
     for name in data_cfg.dataset:
-        kind = dataset_kind(stage, get_spec(name, folder, specs).ranking)
+        kind = dataset_kind(stage, is_ranking(name, folder, specs))
         rows = load_examples([name], kind, data_cfg.dataset_dir, data_cfg.max_samples, data_cfg.max_bad_rows)
         loaded += [(kind, row) for row in rows]
     return loaded

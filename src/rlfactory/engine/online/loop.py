@@ -199,6 +199,7 @@ def validate(run: Run) -> tuple[dict[str, float], list[dict]]:
             p.get("answer"),
             p,
             len(c.token_ids),
+            list(c.token_ids),
         )
         for p, c, f in zip(seen, completions, finals, strict=True)
     ]

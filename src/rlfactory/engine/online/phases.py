@@ -170,6 +170,7 @@ def generate_and_score(
             ex.get("answer"),
             ex,
             len(c.token_ids),
+            list(c.token_ids),
         )
         for ex, c, final in zip(seen, completions, finals, strict=True)
     ]
