@@ -25,6 +25,7 @@ from rlfactory.envs.base import Env, StepResult
 from rlfactory.render.chat import stop_strings
 from rlfactory.render.glue import ObservationGlue
 from rlfactory.rollout.base import Completion, GenerationBackend, SamplingParams
+from rlfactory.tools.execute import close_workers
 from rlfactory.tools.parsers import TOOL_PARSERS, ParsedTurn, ToolCall, validate_calls
 
 if TYPE_CHECKING:
@@ -248,6 +249,7 @@ class Rollouts:
 
     def close(self) -> None:
         self.backend.close()
+        close_workers()
 
 
 def build_rollouts(cfg: RunConfig, model: Any, tokenizer: Any) -> Rollouts:
