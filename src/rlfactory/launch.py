@@ -54,8 +54,11 @@ def preflight(config: RunConfig | PipelineConfig) -> None:
     from rlfactory.stages.check import check_config
 
     check_config(config)
-    for run in config.stages if isinstance(config, PipelineConfig) else [config]:
+    runs = config.stages if isinstance(config, PipelineConfig) else [config]
+    for run in runs:
         check_strategy(run)
+        if run_dir.skips_finished(run.output_dir, run.resume_from_checkpoint, len(runs) > 1) is not None:
+            continue
         resume_from = run_dir.resolve_resume(run.output_dir, run.resume_from_checkpoint)
         run_dir.check_output_dir(run.output_dir, run.overwrite_output_dir, resume_from)
 

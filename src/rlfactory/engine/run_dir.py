@@ -29,6 +29,7 @@ from rlfactory.errors import UserError
 CHECKPOINT_PREFIX = "checkpoint-"
 PARTIAL_SUFFIX = ".partial"  # a checkpoint being written; renamed to checkpoint-N when complete
 STATE_FILE = "trainer_state.json"
+SUMMARY_FILE = "run_summary.json"  # written last by a finished stage
 LOG_FILE = "trainer_log.jsonl"
 RUN_MARKERS = ("config.yaml", LOG_FILE)
 MARKER_FILE = "run.json"
@@ -120,6 +121,20 @@ def resolve_resume(output_dir: str, resume: str | None) -> Path | None:
             f"use `auto` or one of: {', '.join(str(p) for p in list_checkpoints(output_dir)) or 'none found'}"
         )
     return path
+
+
+def finished_summary(output_dir: str | Path) -> dict[str, Any] | None:
+    """The run_summary.json of a stage that finished in ``output_dir``, or None."""
+    try:
+        summary = json.loads((Path(output_dir) / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) and summary.get("saved_as") else None
+
+
+def skips_finished(output_dir: str, resume: str | None, in_pipeline: bool) -> dict[str, Any] | None:
+    """A pipeline stage to skip on a rerun with resume: its summary, when it finished already."""
+    return finished_summary(output_dir) if in_pipeline and resume is not None else None
 
 
 def project_roots(start: Path | None = None) -> list[Path]:

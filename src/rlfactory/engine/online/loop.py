@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlfactory.config.schema import RunConfig
-from rlfactory.engine import shared
+from rlfactory.engine import run_dir, shared
 from rlfactory.engine.offline import TrainResult
 from rlfactory.engine.online.phases import LoopState, Run, step, trace_rows
 from rlfactory.engine.online.ranks import Ranks
@@ -254,7 +254,7 @@ def write_trace(out: Path, name: str, rows: list[dict[str, Any]]) -> Path:
     folder = out / "rollouts"
     folder.mkdir(exist_ok=True)
     path = folder / f"{name}.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run_dir.write_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
     return path
 
 
@@ -390,7 +390,6 @@ def _loop(run: Run, bar: Any, stop: shared.StopSignals, validates: bool) -> dict
 
 
 def _finish(run: Run, last: dict, before: dict | None, after: dict | None) -> tuple[TrainResult, dict[str, Any]]:
-    from rlfactory.engine import run_dir
     from rlfactory.model.loader import save_model
 
     accelerator, cfg = run.accelerator, run.cfg
