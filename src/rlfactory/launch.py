@@ -84,6 +84,7 @@ def maybe_launch(config: RunConfig | PipelineConfig, train_args: list[str]) -> i
     if inside_launcher() or num_processes(dist) * dist.nnodes == 1:
         return None
     preflight(config)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -97,6 +98,9 @@ def maybe_launch(config: RunConfig | PipelineConfig, train_args: list[str]) -> i
         return 2 if 2 in codes else max(1, *codes)
     except KeyboardInterrupt:
         return 130
+    except SignalException as exc:
+        # torchrun passed SIGTERM/SIGINT on to every process, which saved a checkpoint and said so (rank 0)
+        return 128 + int(exc.sigval)
     except RuntimeError as exc:  # e.g. the rendezvous timed out waiting for the other nodes
         raise UserError(f"distributed: the processes could not start together: {str(exc).splitlines()[0]}") from None
     return 0

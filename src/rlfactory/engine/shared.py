@@ -17,6 +17,7 @@ import resource
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -286,9 +287,9 @@ def load_checkpoint(accelerator: Accelerator, path: Path, out: Path) -> dict[str
     return state
 
 
-def check_finite_weights(accelerator: Accelerator, models: list[Any], what: str) -> None:
-    """Raise :class:`RunStopped` when a trainable weight of ``models`` is NaN or infinite: such weights are never
-    saved. Every process checks its own (possibly sharded) parameters; the verdict is reduced over them."""
+def nonfinite_weights(accelerator: Accelerator, models: list[Any]) -> int:
+    """How many trainable weight tensors of ``models`` hold NaN or inf, over every process (each checks its own,
+    possibly sharded, parameters)."""
     params = [p for m in models for p in m.parameters() if p.requires_grad and p.numel()]
     bad = torch.zeros((), device=accelerator.device)
     if params:
@@ -296,11 +297,19 @@ def check_finite_weights(accelerator: Accelerator, models: list[Any], what: str)
         bad = torch.stack([(~torch.isfinite(t.detach())).any() for t in local]).sum().float().to(accelerator.device)
     if accelerator.num_processes > 1:
         bad = accelerator.reduce(bad, "sum")
-    if float(bad) > 0:
+    return int(bad)
+
+
+def check_finite_weights(accelerator: Accelerator, models: list[Any], what: str, step: int | None = None) -> None:
+    """Raise :class:`RunStopped` when a trainable weight is NaN or infinite: such weights are never saved (``what``:
+    the checkpoint or model about to be written) nor trained on (``step``: the update that made them)."""
+    bad = nonfinite_weights(accelerator, models)
+    if bad:
+        where = f"training diverged at step {step}" if step is not None else f"the {what} was not saved"
         raise RunStopped(
-            f"the {what} was not saved: {int(bad)} trained weight tensor(s) hold NaN or inf, so training diverged "
-            "(a learning rate too high?); lower train.learning_rate or keep train.max_grad_norm set, and start "
-            "again (or resume from an earlier checkpoint)"
+            f"{where}: {bad} trained weight tensor(s) hold NaN or inf (a learning rate too high?); nothing was "
+            "saved from them. Lower train.learning_rate or keep train.max_grad_norm set, and start again (or "
+            "resume from an earlier checkpoint)"
         )
 
 
@@ -355,24 +364,27 @@ class StopSignals:
     """SIGTERM and SIGINT during training: finish the current step, save a checkpoint, stop with a message.
 
     ``with StopSignals() as stop:`` installs the handlers (main thread only) and restores them after. A second
-    signal stops at once (SIGINT: KeyboardInterrupt; SIGTERM: the default action). ``requested()`` is asked at
-    each step's end; on several processes the flag is reduced (max) so every process stops at the same step,
-    whichever got the signal first (torchrun passes SIGTERM on to each process)."""
+    signal (after ``REPEAT_S``) stops at once (SIGINT: KeyboardInterrupt; SIGTERM: the default action).
+    ``requested()`` is asked at each step's end; on several processes the flag is reduced (max) so every process
+    stops at the same step, whichever got the signal first (torchrun passes SIGTERM on to each process)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    REPEAT_S = 2.0  # a second signal sooner than this is the first one again, forwarded by a launcher
 
     def __init__(self) -> None:
-        self.signum = 0
+        self.signum, self.when = 0, 0.0
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, _frame: Any) -> None:
+        if self.signum and time.monotonic() - self.when < self.REPEAT_S:
+            return  # the same Ctrl+C passed on by a launcher (torchrun forwards what its process group got)
         if self.signum:
             signal.signal(signum, signal.SIG_DFL)
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             os.kill(os.getpid(), signum)
             return
-        self.signum = signum
+        self.signum, self.when = signum, time.monotonic()
         print(
             f"{signal.Signals(signum).name}: stopping after this step with a checkpoint (send it again to stop now)",
             file=sys.stderr, flush=True,

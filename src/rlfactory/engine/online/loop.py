@@ -355,6 +355,8 @@ def _loop(run: Run, bar: Any, stop: shared.StopSignals, validates: bool) -> dict
     for index in range(run.state.step, run.total_steps):
         result = step(run, index)
         done = run.state.step = index + 1
+        # the next step would sample from these weights: non-finite ones stop the run here, with a message
+        shared.check_finite_weights(run.accelerator, run.accelerator._models, "model", step=done)
         window.append({**result.metrics, **run.actor.guard.pop_skipped()})
         bar.update(1)
         bar.set_postfix(score=f"{result.metrics['score/mean']:.3f}")
