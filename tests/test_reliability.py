@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.conftest import DATA_DIR, ROOT, TINY_MODEL, run_cli, write_yaml
 
 from rlfactory.engine.run_dir import checkpoint_problem, list_checkpoints, read_log
-from tests.conftest import DATA_DIR, ROOT, TINY_MODEL, run_cli, write_yaml
 
 pytestmark = pytest.mark.slow  # end-to-end runs of the CLI
 
@@ -292,5 +292,6 @@ def test_sigterm_sigint_and_sigkill_in_a_step_or_a_checkpoint_write_resume_to_th
     assert reference.returncode == 0, reference.stderr[-2000:]
     seen = _interrupt_and_resume_four_ways(path, tmp_path / "out")
     assert seen[2].endswith(".partial")
-    keys = ("loss", "grad_norm") if stage == "sft" else ("score/mean", "actor/entropy", "actor/grad_norm", "actor/pg_loss")
+    rl_keys = ("score/mean", "actor/entropy", "actor/grad_norm", "actor/pg_loss")
+    keys = ("loss", "grad_norm") if stage == "sft" else rl_keys
     _same_steps(tmp_path / "out", tmp_path / "ref", keys)
