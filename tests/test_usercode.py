@@ -52,6 +52,8 @@ def r_spin(p, c, a, e):
         pass
 def r_ok(p, c, a, e):
     return 1.0
+def batched(completions, drop=0, scalar=False):
+    return 1.0 if scalar else [1.0] * (len(completions) - drop)
 # tools
 def t_exit(x: str) -> str:
     """Exits.
@@ -170,6 +172,25 @@ def test_rewards_returning_inf_nan_exiting_or_hanging_are_failures_with_reasons(
     assert "nan" in stack.last_errors["r_nan"] and stack.last_errors["r_exit"] == "SystemExit: 3"
     assert stack.last_errors["r_spin"].startswith("timed out after 0.5s")
     assert "reward 'r_exit' failed on 2/2 samples (first: SystemExit: 3)" in caplog.text
+
+
+def test_a_batched_reward_returning_the_wrong_count_fails_every_sample(user_file: str):
+    """The executor of batched (TRL-style) calls: one call for n samples must return n values."""
+    from rlfactory.rewards.stack import Component
+
+    stack = RewardStack(RewardConfig(functions={f"{user_file}:r_ok": 1.0}), 64)
+    try:
+        ref = f"{user_file}:batched"
+        comp = Component("batched", 1.0, lambda **kw: None, ref=ref)
+        good = stack.execute_batched(comp, {"completions": ["a", "b", "c"]}, 3)
+        assert [o.value for o in good] == [1.0, 1.0, 1.0] and all(o.error is None for o in good)
+        short = stack.execute_batched(comp, {"completions": ["a", "b", "c"], "drop": 1}, 3)
+        expected = "returned list of length 2; expected a list of 3 values, one per sample"
+        assert [o.error for o in short] == [expected] * 3
+        scalar = stack.execute_batched(comp, {"completions": ["a"], "scalar": True}, 1)
+        assert scalar[0].error == "returned float 1.0; expected a list of 1 values, one per sample"
+    finally:
+        stack.close()
 
 
 def test_failure_streaks_count_calls_in_a_row_and_reset_on_any_success():

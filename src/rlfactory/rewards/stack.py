@@ -164,10 +164,26 @@ class RewardStack:
             }
             for s in samples
         ]
-        calls = list(zip(arg_sets, kwargs, strict=True))
+        return self.execute(comp, list(zip(arg_sets, kwargs, strict=True)))
+
+    def execute(self, comp: Component, calls: list[tuple[tuple, dict[str, Any]]]) -> list[Outcome]:
+        """Run ``comp`` once per ``(args, kwargs)``: how, not with what (argument building is the caller's). A user
+        function runs in the worker pool, with the timeout; a bundled one in this process."""
         if comp.ref is None:
             return _call_in_process(comp.fn, calls)
         return self.pool.map(comp.ref, calls, self.cfg.timeout_s)
+
+    def execute_batched(self, comp: Component, kwargs: dict[str, Any], n: int) -> list[Outcome]:
+        """One call that scores ``n`` samples at once (it returns a list of ``n`` values), as a per-sample outcome
+        list: a failed call, or a result that is not a list of ``n``, fails every sample with the reason."""
+        [outcome] = self.execute(comp, [((), kwargs)])
+        values = outcome.value
+        if outcome.error is None and (not isinstance(values, list | tuple) or len(values) != n):
+            size = f"of length {len(values)}" if hasattr(values, "__len__") else repr(values)[:80]
+            outcome.error = f"returned {type(values).__name__} {size}; expected a list of {n} values, one per sample"
+        if outcome.error is not None:
+            return [Outcome(error=outcome.error, seconds=outcome.seconds, timed_out=outcome.timed_out)] * n
+        return [Outcome(value, seconds=outcome.seconds) for value in values]
 
     def close(self) -> None:
         self.pool.close()
