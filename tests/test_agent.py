@@ -219,6 +219,27 @@ def test_environment_user_turns_are_masked_and_reward_parts_summed(tokenizer, ca
     )
 
 
+def test_an_environment_that_raises_or_exits_ends_its_episode_not_the_run(tokenizer, calc, tmp_path, caplog):
+    import logging
+
+    env_file = tmp_path / "envs.py"
+    env_file.write_text(
+        "import sys\nfrom rlfactory.envs.base import ToolEnv\n"
+        "class Broken(ToolEnv):\n    async def step(self, message, calls):\n        raise KeyError('state')\n"
+        "class Leaves(ToolEnv):\n    def step(self, message, calls):\n        sys.exit(3)\n"
+    )
+    for name, error in (("Broken", "KeyError: 'state'"), ("Leaves", "SystemExit: 3")):
+        backend = ScriptedBackend(tokenizer, {"Q": THREE_TURNS})
+        with caplog.at_level(logging.WARNING, logger="rlfactory.rollout.agent"):
+            [res] = _loop(tokenizer, backend, calc, env=f"{env_file}:{name}").run(
+                [_example(tokenizer, "Q")], SamplingParams(400)
+            )
+        assert res.finish == "env_error" and res.turns[-1]["env_error"] == error and len(res.turns) == 1
+        assert res.completion.mask[-1] == 1  # the response ends on the sampled turn
+        assert f"environment steps raised in 1/1 episodes (first: {error})" in caplog.text
+    assert episode_metrics([{"agent": res.summary()}])["finish/env_error"] == 1.0
+
+
 def test_agent_rewards_read_the_episode(tokenizer, calc):
     from rlfactory.rewards.builtin import REWARD_FUNCTIONS
 

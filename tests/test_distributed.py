@@ -166,6 +166,32 @@ def test_dpo_under_torchrun_matches_one_process(tmp_path: Path):
 
 
 @pytest.mark.slow
+def test_sigterm_stops_both_processes_at_one_step_with_a_checkpoint_and_resumes(sft_reference: Path, tmp_path: Path):
+    """SIGTERM to the CLI (what a scheduler sends): torchrun passes it on, both processes agree on the step to stop
+    at (the flag is reduced), save one checkpoint together and exit 143 with one message; the resume ends with the
+    uninterrupted run's losses."""
+    cfg = _sft(tmp_path, "stopped", batch=4, processes=2, max_steps=4)
+    path = write_yaml(tmp_path / "stopped.yaml", cfg)
+    out = Path(cfg["output_dir"])
+    proc = subprocess.Popen([sys.executable, "-m", "rlfactory", "train", str(path)], cwd=ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.time() + 300
+    while not _curve(out) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert err.count("stopped: SIGTERM at step") == 1 and "Traceback" not in err, err[-3000:]
+    [checkpoint] = out.glob("checkpoint-*")
+    saved = {p.name for p in checkpoint.iterdir()}
+    assert {"random_states_0.pkl", "random_states_1.pkl", "trainer_state.json"} <= saved  # both ranks saved
+    resumed = run_cli("train", str(path), "resume_from_checkpoint=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {checkpoint}" in resumed.stdout
+    _same_curve(sft_reference, out)
+
+
+@pytest.mark.slow
 def test_killed_two_process_run_resumes(sft_reference: Path, tmp_path: Path):
     """kill -9 of a 2-process run (its whole process group) after a checkpoint; `resume_from_checkpoint: auto` on 2
     processes ends with the losses of the uninterrupted run, and so does a resume on 1 process with the same global

@@ -161,7 +161,8 @@ def test_rotation_removes_partial_checkpoints_a_kill_left_behind(tmp_path: Path)
     for step in (2, 4, 6, 8):
         (tmp_path / f"checkpoint-{step}").mkdir()
         if step != 2 and step != 8:
-            (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+            state = {"global_step": step, "files": {}}
+            (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps(state))
     (tmp_path / "checkpoint-2" / "optimizer.bin").write_text("partial")
     rotate_checkpoints(tmp_path, keep=2)
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6", "checkpoint-8"]

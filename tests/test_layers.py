@@ -18,7 +18,7 @@ PACKAGE = "rlfactory"
 # lowest first; a module may import from its own layer and any layer before it. "__init__" is the package
 # itself (rlfactory/__init__.py), "__main__" is `python -m rlfactory`.
 LAYERS: list[tuple[str, ...]] = [
-    ("__init__", "errors", "plugins"),
+    ("__init__", "errors", "plugins", "usercode"),
     ("config",),
     ("render", "data"),
     ("algos",),
@@ -187,7 +187,7 @@ def test_the_checker_names_an_upward_import():
     [problem] = check(graph)
     assert problem == (
         "rlfactory.config.check (line 14) imports rlfactory.stages: layer 'config' is below 'stages' and may "
-        "import only __init__, errors, plugins, config"
+        "import only __init__, errors, plugins, usercode, config"
     )
     assert check({"rlfactory.stages": [("rlfactory.config.check", 3)], "rlfactory.config.check": []}) == []
 

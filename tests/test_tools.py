@@ -230,6 +230,7 @@ def test_slow_and_raising_tools_become_errors_and_the_batch_goes_on(tools):
 
 def test_concurrency_limit_and_parallelism(tools):
     calls = [[ToolCall("slow", {"seconds": 0.3}, "")] for _ in range(4)]
+    run_calls(calls, tools, ExecLimits(max_concurrency=4))  # starts the 4 worker processes (kept for the run)
     start = time.monotonic()
     run_calls(calls, tools, ExecLimits(max_concurrency=4))
     parallel = time.monotonic() - start

@@ -161,10 +161,12 @@ def test_mixed_plain_and_conversational_rows_are_refused(registry, tokenizer):
 
 
 TRL_REWARD = """
-SEEN = {}
+import json
 
 def correct(completions, solution, **kwargs):  # TRL's convention, unchanged
-    SEEN.update(kwargs, completions=completions, solution=solution)
+    seen = dict(kwargs, completions=completions, solution=solution)
+    with open(__file__ + ".seen.json", "w") as f:  # user code runs in a worker process: what it saw, for the test
+        json.dump(seen, f)
     texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
     return [1.0 if s in text else None for text, s in zip(texts, solution)]
 """
@@ -179,13 +181,14 @@ def test_every_column_reaches_rewards_and_trl_style_rewards_plug_in(tmp_path):
     ]
     scores = stack.score([Sample("p", "It is blue.", None, row, 4, [1, 2, 3, 2]) for row in rows])
     assert scores.components["correct"] == [1.0, 0.0] and scores.failures["correct"] == 0  # None: does not apply
-    seen = stack.components[0].fn.__globals__["SEEN"]
+    seen = json.loads((tmp_path / "rewards.py.seen.json").read_text())
     assert seen["prompts"] == [SKY, SKY] and seen["completion_ids"] == [[1, 2, 3, 2]] * 2
     assert seen["completions"] == [[{"role": "assistant", "content": "It is blue."}]] * 2
     assert seen["test_cases"] == [["It"], ["No"]] and seen["solution"] == ["blue", "red"]
     plain = [Sample("p", " blue.", None, {"messages": [{"role": "user", "content": "The sky is"}], "plain": True,
                                           "columns": {"solution": "blue"}}, 2, [5, 2])]
     assert stack.score(plain).components["correct"] == [1.0]
+    seen = json.loads((tmp_path / "rewards.py.seen.json").read_text())
     assert seen["prompts"] == ["The sky is"] and seen["completions"] == [" blue."]  # standard rows: strings
 
 

@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         return handlers[args.command](args)
     except UserError as exc:
         if os.environ.get("RANK", "0") == "0":  # several processes: the same input error once, from rank 0
-            print(f"error: {exc}", file=sys.stderr)
+            print(f"{exc.prefix}: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

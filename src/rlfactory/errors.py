@@ -14,6 +14,18 @@ class UserError(Exception):
     """
 
     exit_code = 2
+    prefix = "error"  # the CLI prints "<prefix>: <message>"
+
+
+class RunStopped(UserError):
+    """The run stopped itself on purpose, with a message saying why and what was saved: a signal (exit code
+    128 + its number), divergence (1), reward functions failing in a row (2). No traceback either."""
+
+    prefix = "stopped"
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def did_you_mean(name: str, candidates: Iterable[str]) -> str:

@@ -54,8 +54,11 @@ def preflight(config: RunConfig | PipelineConfig) -> None:
     from rlfactory.stages.check import check_config
 
     check_config(config)
-    for run in config.stages if isinstance(config, PipelineConfig) else [config]:
+    runs = config.stages if isinstance(config, PipelineConfig) else [config]
+    for run in runs:
         check_strategy(run)
+        if run_dir.skips_finished(run.output_dir, run.resume_from_checkpoint, len(runs) > 1) is not None:
+            continue
         resume_from = run_dir.resolve_resume(run.output_dir, run.resume_from_checkpoint)
         run_dir.check_output_dir(run.output_dir, run.overwrite_output_dir, resume_from)
 
@@ -81,6 +84,7 @@ def maybe_launch(config: RunConfig | PipelineConfig, train_args: list[str]) -> i
     if inside_launcher() or num_processes(dist) * dist.nnodes == 1:
         return None
     preflight(config)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -94,6 +98,9 @@ def maybe_launch(config: RunConfig | PipelineConfig, train_args: list[str]) -> i
         return 2 if 2 in codes else max(1, *codes)
     except KeyboardInterrupt:
         return 130
+    except SignalException as exc:
+        # torchrun passed SIGTERM/SIGINT on to every process, which saved a checkpoint and said so (rank 0)
+        return 128 + int(exc.sigval)
     except RuntimeError as exc:  # e.g. the rendezvous timed out waiting for the other nodes
         raise UserError(f"distributed: the processes could not start together: {str(exc).splitlines()[0]}") from None
     return 0

@@ -116,12 +116,25 @@ class RewardConfig(Section):
     reward_model_weight: float = Field(1.0, description="Weight of the reward model's score.")
     reward_model_batch_size: int = Field(32, ge=1, description="Sequences scored at once by the reward model.")
     timeout_s: float = Field(
-        10.0, gt=0, description="A reward function call slower than this counts as failed (gets failure_score)."
+        10.0,
+        gt=0,
+        description="A reward function call slower than this counts as failed (gets failure_score); a user "
+        "function's worker process is killed then, so a hung call really stops.",
     )
     failure_score: float = Field(
-        0.0, description="Score of a call that raised or timed out (logged as reward/<name>/failures; never a crash)."
+        0.0,
+        description="Score of a call that raised, exited, timed out or returned something other than a finite "
+        "number (logged as reward/<name>/failures with the reason; never a crash).",
     )
-    num_workers: int = Field(8, ge=1, description="Reward function calls run concurrently (threads).")
+    num_workers: int = Field(
+        8, ge=1, description="Worker processes running user reward functions (`file.py:function`) concurrently."
+    )
+    max_failures_in_a_row: int | None = Field(
+        64,
+        ge=1,
+        description="Stop the run (with a checkpoint and the function's last error) once one reward function failed "
+        "this many calls in a row; null: never stop.",
+    )
 
 
 class AlgorithmConfig(Section):

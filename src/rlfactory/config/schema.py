@@ -173,6 +173,13 @@ class TrainConfig(Section):
     adam_beta1: float = Field(0.9, gt=0, lt=1, description="AdamW beta1.")
     adam_beta2: float = Field(0.999, gt=0, lt=1, description="AdamW beta2.")
     max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the gradient norm (null: no clipping).")
+    skip_nonfinite_steps: int = Field(
+        0,
+        ge=0,
+        description="A non-finite loss or gradient norm stops the run with a message (0, the default; nothing "
+        "non-finite is ever saved). N > 0: skip such an update instead (logged as skipped_steps), and stop only "
+        "after N skipped in a row.",
+    )
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
         "auto", description="Autocast precision. auto: bf16 on a GPU that supports it, else none."
     )

@@ -26,8 +26,11 @@ import torch
 from rlfactory.config.schema import RunConfig
 from rlfactory.engine import run_dir
 from rlfactory.engine.shared import (
+    NonFiniteGuard,
+    StopSignals,
     autocast_forward,
     build_accelerator,
+    check_finite_weights,
     clip_grad_norm,
     end_run,
     init_trackers,
@@ -105,8 +108,8 @@ class _Meter:
             sums, counts = merged[: len(keys)], merged[len(keys) :]
         self.sums.clear()
         self.counts.clear()
-        out = {k: total / count for k, total, count in zip(keys, sums, counts, strict=True) if count}
-        return {k: v for k, v in out.items() if not math.isnan(v)}
+        # a NaN stays in the log (a diverged value must show), only a metric without any weight is left out
+        return {k: total / count for k, total, count in zip(keys, sums, counts, strict=True) if count}
 
 
 def eval_shard(examples: list[Any], batch_size: int, rank: int, world: int) -> list[tuple[list[Any], float]]:
@@ -203,12 +206,15 @@ def _setup(cfg: RunConfig, model: Any, parts: StageParts) -> _Setup:
     return _Setup(accelerator, model, optimizer, scheduler, loader, shard, steps_per_epoch, total_steps)
 
 
-def _train_window(s: _Setup, cfg: RunConfig, parts: StageParts, window: list[Batch], meter: _Meter) -> Any:
-    """One optimizer step over an accumulation window; returns the tokens it processed."""
+def _train_window(
+    s: _Setup, cfg: RunConfig, parts: StageParts, window: list[Batch], meter: _Meter, guard: NonFiniteGuard, step: int
+) -> Any:
+    """One optimizer step over an accumulation window (skipped or stopped when its loss or gradient is not
+    finite: ``guard``); returns the tokens it processed."""
     acc = s.accelerator
     units = sum(torch.as_tensor(parts.count_fn(b), dtype=torch.float32, device=acc.device) for b in window)
     units = acc.reduce(units, "sum").clamp(min=1.0)
-    window_loss, tokens, grad_norm = torch.zeros((), device=acc.device), 0, None
+    window_loss, tokens, grad_norm, total_loss = torch.zeros((), device=acc.device), 0, None, None
     for batch in window:
         with acc.accumulate(s.model):
             with autocast_forward(acc, s.model):
@@ -222,10 +228,12 @@ def _train_window(s: _Setup, cfg: RunConfig, parts: StageParts, window: list[Bat
             tokens += _batch_tokens(batch)
             if acc.sync_gradients:
                 grad_norm = clip_grad_norm(acc, s.model, cfg.train.max_grad_norm)
-                s.optimizer.step()
+                total_loss = acc.reduce(window_loss, "sum")
+                if guard.ok(step, total_loss, grad_norm):
+                    s.optimizer.step()
                 s.scheduler.step()
                 s.optimizer.zero_grad()
-    meter.add({"loss": acc.reduce(window_loss, "sum"), "grad_norm": grad_norm})
+    meter.add({"loss": total_loss, "grad_norm": grad_norm})
     return tokens
 
 
@@ -254,17 +262,44 @@ def train(cfg: RunConfig, model: Any, tokenizer: Any, parts: StageParts, resume_
     )
     show = cfg.logging.progress_bar and acc.is_main_process
     bar = tqdm(total=s.total_steps, initial=step, disable=not show, desc=cfg.stage)
-    meter, eval_metrics, last_metrics = _Meter(), {}, {}
-    clock = _Clock(step)
+    clock, guard = _Clock(step), NonFiniteGuard(cfg.train, acc, out)
     if s.eval_shard is not None and resume_from is None:  # step-0 eval: the baseline the curve starts from
         log_record(acc, out, {"step": 0, **evaluate(acc, s.model, s.eval_shard, parts)})
     s.model.train()
+    with StopSignals() as stop:
+        step, last_metrics, eval_metrics = _loop(s, cfg, parts, step, epoch, skip_batches, stop, guard, bar, clock)
+    bar.close()
+    if s.eval_shard is not None and not (cfg.train.eval_steps and step % cfg.train.eval_steps == 0):
+        eval_metrics = evaluate(acc, s.model, s.eval_shard, parts)
+        log_record(acc, out, {"step": step, **eval_metrics})
+    result = _finish(acc, cfg, s.model, tokenizer, out, step, last_metrics, eval_metrics)
+    result.before = before
+    return result
+
+
+def _loop(
+    s: _Setup,
+    cfg: RunConfig,
+    parts: StageParts,
+    step: int,
+    epoch: int,
+    skip_batches: int,
+    stop: StopSignals,
+    guard: NonFiniteGuard,
+    bar: Any,
+    clock: _Clock,
+) -> tuple[int, dict[str, float], dict[str, float]]:
+    """The steps from ``step`` to the end; returns the last step, its logged metrics and the last eval's."""
+    acc, out, accum = s.accelerator, Path(cfg.output_dir), cfg.train.grad_accum_steps
+    global_batch = cfg.train.per_device_batch_size * accum * acc.num_processes
+    meter, eval_metrics, last_metrics, saved = _Meter(), {}, {}, -1
     while step < s.total_steps:
         s.loader.set_epoch(epoch)
         iterator = iter(acc.skip_first_batches(s.loader, skip_batches) if skip_batches else s.loader)
         skip_batches = 0
         while step < s.total_steps and step - epoch * s.steps_per_epoch < s.steps_per_epoch:
-            clock.tokens += _train_window(s, cfg, parts, [next(iterator) for _ in range(accum)], meter)
+            window = [next(iterator) for _ in range(accum)]
+            clock.tokens += _train_window(s, cfg, parts, window, meter, guard, step + 1)
             step += 1
             bar.update(1)
             if step % cfg.logging.logging_steps == 0 or step == s.total_steps:
@@ -273,6 +308,7 @@ def train(cfg: RunConfig, model: Any, tokenizer: Any, parts: StageParts, resume_
                     "step": step,
                     "epoch": round(step / s.steps_per_epoch, 4),
                     **last_metrics,
+                    **guard.pop_skipped(),
                     "lr": s.scheduler.get_last_lr()[0],
                     **clock.lap(step, s.total_steps, acc.num_processes),
                 }
@@ -281,18 +317,19 @@ def train(cfg: RunConfig, model: Any, tokenizer: Any, parts: StageParts, resume_
             if s.eval_shard is not None and cfg.train.eval_steps and step % cfg.train.eval_steps == 0:
                 eval_metrics = evaluate(acc, s.model, s.eval_shard, parts)
                 log_record(acc, out, {"step": step, **eval_metrics})
+            state = {"epoch": epoch, "global_batch": global_batch, "num_processes": acc.num_processes}
             if cfg.train.save_steps and step % cfg.train.save_steps == 0 and step < s.total_steps:
-                state = {"epoch": epoch, "global_batch": global_batch, "num_processes": acc.num_processes}
                 save_checkpoint(acc, out, step, state, cfg.train.save_total_limit)
+                saved = step
+            signum = stop.requested(acc)
+            if signum and step < s.total_steps:
+                path = out / f"{run_dir.CHECKPOINT_PREFIX}{step}"
+                if saved != step:
+                    path = save_checkpoint(acc, out, step, state, cfg.train.save_total_limit)
+                raise StopSignals.stopped(signum, step, path)
         if step - epoch * s.steps_per_epoch >= s.steps_per_epoch:
             epoch += 1
-    bar.close()
-    if s.eval_shard is not None and not (cfg.train.eval_steps and step % cfg.train.eval_steps == 0):
-        eval_metrics = evaluate(acc, s.model, s.eval_shard, parts)
-        log_record(acc, out, {"step": step, **eval_metrics})
-    result = _finish(acc, cfg, s.model, tokenizer, out, step, last_metrics, eval_metrics)
-    result.before = before
-    return result
+    return step, last_metrics, eval_metrics
 
 
 def _check_global_batch(state: dict[str, Any], global_batch: int, path: Path) -> None:
@@ -340,6 +377,7 @@ def _finish(
     from rlfactory.model.reference import is_peft
 
     accelerator.wait_for_everyone()
+    check_finite_weights(accelerator, [model], "final model")
     unwrapped = accelerator.unwrap_model(model)
     # every process takes part: under zero3 / fsdp2 this gathers the full weights (to the main process, on the host);
     # otherwise it is the unwrapped model's own state dict

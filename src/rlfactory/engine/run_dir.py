@@ -14,6 +14,7 @@ folder does not count as a run, and the same command may start again in it witho
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import time
@@ -26,6 +27,9 @@ import yaml
 from rlfactory.errors import UserError
 
 CHECKPOINT_PREFIX = "checkpoint-"
+PARTIAL_SUFFIX = ".partial"  # a checkpoint being written; renamed to checkpoint-N when complete
+STATE_FILE = "trainer_state.json"
+SUMMARY_FILE = "run_summary.json"  # written last by a finished stage
 LOG_FILE = "trainer_log.jsonl"
 RUN_MARKERS = ("config.yaml", LOG_FILE)
 MARKER_FILE = "run.json"
@@ -33,31 +37,104 @@ START_FILES = {MARKER_FILE, "config.yaml", LOG_FILE}  # all a run writes before 
 PROJECT_FILES = ("pyproject.toml", ".git")
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file next to ``path``, then rename it: a kill leaves the old file or the new
+    one, never half of one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def replace_dir(src: Path, dst: Path) -> None:
+    """Rename the folder ``src`` to ``dst``, replacing an older ``dst`` (a step saved again after a resume)."""
+    if dst.exists():
+        shutil.rmtree(dst)
+    os.replace(src, dst)
+
+
+def remove_partial_checkpoints(output_dir: str | Path) -> None:
+    """Folders of checkpoints whose writing was cut by a kill (``checkpoint-N.partial``)."""
+    for path in Path(output_dir).glob(f"{CHECKPOINT_PREFIX}*{PARTIAL_SUFFIX}"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why ``path`` is not a complete checkpoint, or None. Complete: trainer_state.json parses, and every file it
+    lists is there with its size (checkpoints written before the list: an optimizer state is there)."""
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+    except FileNotFoundError:
+        return f"no {STATE_FILE}"
+    except (OSError, ValueError) as exc:
+        return f"{STATE_FILE} is unreadable ({type(exc).__name__})"
+    if not isinstance(state, dict) or not isinstance(state.get("global_step"), int):
+        return f"{STATE_FILE} has no global_step"
+    files = state.get("files")
+    if files is None:
+        return None if any(path.glob("optimizer*")) else "no optimizer state (optimizer.bin)"
+    for name, size in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, {size} were written"
+    return None
+
+
+def read_checkpoint_state(path: Path) -> dict[str, Any]:
+    """trainer_state.json of a complete checkpoint; a UserError naming what is wrong otherwise."""
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise UserError(
+            f"resume_from_checkpoint: '{path}' is not a complete checkpoint ({problem}); a run killed while writing "
+            "it leaves such a folder: use `auto` (the newest complete checkpoint) or an earlier checkpoint-N"
+        )
+    return json.loads((path / STATE_FILE).read_text())
+
+
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints (those with trainer_state.json), oldest first."""
+    """Complete checkpoints (see :func:`checkpoint_problem`), oldest first."""
     folder = Path(output_dir)
     found = []
     for path in folder.glob(f"{CHECKPOINT_PREFIX}*") if folder.is_dir() else []:
         match = re.fullmatch(rf"{CHECKPOINT_PREFIX}(\d+)", path.name)
-        if match and (path / "trainer_state.json").is_file():
+        if match and checkpoint_problem(path) is None:
             found.append((int(match.group(1)), path))
     return [path for _, path in sorted(found)]
 
 
 def resolve_resume(output_dir: str, resume: str | None) -> Path | None:
-    """The checkpoint to resume from: None, the latest (``auto``), or an explicit directory."""
+    """The checkpoint to resume from: None, the newest complete one (``auto``), or an explicit directory."""
     if resume is None:
         return None
     if resume == "auto":
         checkpoints = list_checkpoints(output_dir)
         return checkpoints[-1] if checkpoints else None
     path = Path(resume)
-    if not (path / "trainer_state.json").is_file():
+    problem = checkpoint_problem(path) if path.is_dir() else "no such directory"
+    if problem is not None:
         raise UserError(
-            f"resume_from_checkpoint: '{resume}' is not a checkpoint directory (no trainer_state.json); "
+            f"resume_from_checkpoint: '{resume}' is not a complete checkpoint ({problem}); "
             f"use `auto` or one of: {', '.join(str(p) for p in list_checkpoints(output_dir)) or 'none found'}"
         )
     return path
+
+
+def finished_summary(output_dir: str | Path) -> dict[str, Any] | None:
+    """The run_summary.json of a stage that finished in ``output_dir``, or None."""
+    try:
+        summary = json.loads((Path(output_dir) / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) and summary.get("saved_as") else None
+
+
+def skips_finished(output_dir: str, resume: str | None, in_pipeline: bool) -> dict[str, Any] | None:
+    """A pipeline stage to skip on a rerun with resume: its summary, when it finished already."""
+    return finished_summary(output_dir) if in_pipeline and resume is not None else None
 
 
 def project_roots(start: Path | None = None) -> list[Path]:
@@ -146,15 +223,18 @@ def check_output_dir(output_dir: str, overwrite: bool, resume_from: Path | None)
         _check_deletable(output_dir)
 
 
+RESTARTABLE = START_FILES | {"rollouts", "loss.png"}  # what a run that saved nothing may leave besides checkpoints
+
+
 def never_trained(folder: Path) -> bool:
-    """``folder`` holds only what one of our runs writes before its first step: our marker, with at most
-    config.yaml and a trainer_log.jsonl without a trained step (a step-0 eval line is not one)."""
-    if not has_marker(folder) or any(p.name not in START_FILES for p in folder.iterdir()):
+    """``folder`` holds one of our runs that saved nothing to continue from: our marker, start files, a log, traces,
+    but no complete checkpoint and no model (it failed, or was killed, before its first checkpoint). Rerunning the
+    same command starts it again."""
+    if not has_marker(folder) or list_checkpoints(folder):
         return False
-    try:
-        return not any("loss" in record for record in read_log(folder) if record.get("step", 0) > 0)
-    except ValueError:  # a log line cut by a kill: it was writing, so it may have trained
-        return False
+    checkpoint_folders = re.compile(rf"{CHECKPOINT_PREFIX}\d+({re.escape(PARTIAL_SUFFIX)})?")
+    leftovers = lambda name: name in RESTARTABLE or checkpoint_folders.fullmatch(name) or name.endswith(".tmp")
+    return all(leftovers(p.name) for p in folder.iterdir())
 
 
 def prepare_output_dir(output_dir: str, overwrite: bool, resume_from: Path | None) -> Path:
@@ -167,8 +247,8 @@ def prepare_output_dir(output_dir: str, overwrite: bool, resume_from: Path | Non
         _check_deletable(output_dir)
         shutil.rmtree(folder)
     elif resume_from is None and folder.is_dir() and not folder.is_symlink() and never_trained(folder):
-        for name in START_FILES:
-            (folder / name).unlink(missing_ok=True)
+        for path in folder.iterdir():  # what never_trained allows: start files, traces, incomplete checkpoints
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
     folder.mkdir(parents=True, exist_ok=True)
     write_marker(folder)
     return folder
@@ -181,7 +261,7 @@ def write_marker(folder: Path) -> None:
     from rlfactory import __version__
 
     marker = {"tool": "rlfactory", "run_id": uuid.uuid4().hex, "version": __version__, "created": time.time()}
-    (folder / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+    write_atomic(folder / MARKER_FILE, json.dumps(marker, indent=2) + "\n")
 
 
 def rotate_checkpoints(output_dir: str | Path, keep: int | None) -> None:
@@ -209,18 +289,28 @@ def _step_of(path: Path) -> int | None:
 
 
 def read_log(output_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of trainer_log.jsonl. A last line cut by a kill is left out; a bad line elsewhere raises."""
     path = Path(output_dir) / LOG_FILE
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if number == len(lines):  # torn by a kill mid-write
+                break
+            raise UserError(f"{path} line {number} is not JSON: the log is damaged; remove that line") from None
+    return records
 
 
 def truncate_log(output_dir: str | Path, last_step: int) -> None:
-    """On resume, drop log lines written after the checkpoint (they will be written again)."""
-    kept = [r for r in read_log(output_dir) if r.get("step", 0) <= last_step]
+    """On resume, drop log lines written after the checkpoint (they will be written again) and a torn last line."""
     path = Path(output_dir) / LOG_FILE
     if path.exists():
-        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        kept = [r for r in read_log(output_dir) if r.get("step", 0) <= last_step]
+        write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
 def append_log(output_dir: str | Path, record: dict[str, Any]) -> None:

@@ -10,9 +10,14 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import logging
 import math
+import os
 import resource
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +25,7 @@ import torch
 
 from rlfactory.config.schema import RunConfig, TrainConfig
 from rlfactory.engine import run_dir
-from rlfactory.errors import UserError
+from rlfactory.errors import RunStopped, UserError
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -246,12 +251,23 @@ def keep_trainable_weights(models: list[Any], weights: list[dict], _output_dir: 
 
 
 def save_checkpoint(accelerator: Accelerator, out: Path, step: int, state: dict[str, Any], keep: int | None) -> Path:
-    """Models, optimizers, schedulers and RNG (Accelerate), then the loop's ``state``; rotates old checkpoints."""
+    """Models, optimizers, schedulers and RNG (Accelerate), then the loop's ``state``; rotates old checkpoints.
+
+    Written into ``checkpoint-N.partial`` and renamed to ``checkpoint-N`` once complete, so a kill mid-write leaves
+    no folder that looks like a checkpoint; ``trainer_state.json`` lists every file with its size (a checkpoint
+    damaged later is seen as incomplete). Weights that are not finite are refused, never saved."""
+    check_finite_weights(accelerator, accelerator._models, f"checkpoint at step {step}")
     path = out / f"{run_dir.CHECKPOINT_PREFIX}{step}"
-    accelerator.save_state(str(path))
+    partial = path.with_name(path.name + run_dir.PARTIAL_SUFFIX)
     if accelerator.is_main_process:
-        # written last: a checkpoint without it is incomplete and never resumed from
-        (path / STATE_FILE).write_text(json.dumps({"global_step": step, **state}))
+        run_dir.remove_partial_checkpoints(out)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(partial))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        files = {str(f.relative_to(partial)): f.stat().st_size for f in sorted(partial.rglob("*")) if f.is_file()}
+        run_dir.write_atomic(partial / STATE_FILE, json.dumps({"global_step": step, **state, "files": files}))
+        run_dir.replace_dir(partial, path)
         run_dir.rotate_checkpoints(out, keep)
     accelerator.wait_for_everyone()
     return path
@@ -259,8 +275,9 @@ def save_checkpoint(accelerator: Accelerator, out: Path, step: int, state: dict[
 
 def load_checkpoint(accelerator: Accelerator, path: Path, out: Path) -> dict[str, Any]:
     """Restore what :func:`save_checkpoint` wrote and return the loop's state; drops log lines written after it."""
+    state = run_dir.read_checkpoint_state(path)  # a clear error for a checkpoint that is not complete
     accelerator.load_state(str(path), strict=False)
-    state = json.loads((path / STATE_FILE).read_text())
+    state.pop("files", None)
     legacy = path / "online_state.json"  # online checkpoints written before the shared engine kept the loop state apart
     if legacy.is_file():
         state.update(json.loads(legacy.read_text()))
@@ -268,6 +285,136 @@ def load_checkpoint(accelerator: Accelerator, path: Path, out: Path) -> dict[str
         run_dir.truncate_log(out, state["global_step"])
     accelerator.wait_for_everyone()
     return state
+
+
+def nonfinite_weights(accelerator: Accelerator, models: list[Any]) -> int:
+    """How many trainable weight tensors of ``models`` hold NaN or inf, over every process (each checks its own,
+    possibly sharded, parameters)."""
+    params = [p for m in models for p in m.parameters() if p.requires_grad and p.numel()]
+    bad = torch.zeros((), device=accelerator.device)
+    if params:
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in params]  # an FSDP2 shard
+        bad = torch.stack([(~torch.isfinite(t.detach())).any() for t in local]).sum().float().to(accelerator.device)
+    if accelerator.num_processes > 1:
+        bad = accelerator.reduce(bad, "sum")
+    return int(bad)
+
+
+def check_finite_weights(accelerator: Accelerator, models: list[Any], what: str, step: int | None = None) -> None:
+    """Raise :class:`RunStopped` when a trainable weight is NaN or infinite: such weights are never saved (``what``:
+    the checkpoint or model about to be written) nor trained on (``step``: the update that made them)."""
+    bad = nonfinite_weights(accelerator, models)
+    if bad:
+        where = f"training diverged at step {step}" if step is not None else f"the {what} was not saved"
+        raise RunStopped(
+            f"{where}: {bad} trained weight tensor(s) hold NaN or inf (a learning rate too high?); nothing was "
+            "saved from them. Lower train.learning_rate or keep train.max_grad_norm set, and start again (or "
+            "resume from an earlier checkpoint)"
+        )
+
+
+class NonFiniteGuard:
+    """A non-finite loss or gradient norm: stop with a message, or (``train.skip_nonfinite_steps`` > 0) skip that
+    update, stopping after that many skipped in a row. Decided on values that every process shares (the reduced
+    loss, the global gradient norm), so every process decides alike. One host sync per optimizer step."""
+
+    def __init__(self, train: TrainConfig, accelerator: Accelerator, out: Path):
+        self.allowed, self.lr, self.out = train.skip_nonfinite_steps, train.learning_rate, out
+        # under fp16 the grad scaler skips overflowing steps itself (an inf gradient norm is expected there)
+        self.scaled = getattr(accelerator, "scaler", None) is not None
+        self.in_a_row = 0
+        self.skipped = 0  # since the last log line
+
+    def ok(self, step: int, loss: Any, grad_norm: Any) -> bool:
+        """True: apply this update. False: skip it. Raises RunStopped past the allowed skips."""
+        if loss is None:
+            return True
+        values = [torch.as_tensor(loss, dtype=torch.float32).reshape(())]
+        if grad_norm is not None and not self.scaled:
+            values.append(torch.as_tensor(grad_norm, dtype=torch.float32, device=values[0].device).reshape(()))
+        values_host = torch.stack(values).tolist()
+        if all(math.isfinite(v) for v in values_host):
+            self.in_a_row = 0
+            return True
+        self.in_a_row += 1
+        self.skipped += 1
+        found = f"loss {values_host[0]}" + (f", gradient norm {values_host[1]}" if len(values_host) > 1 else "")
+        if self.in_a_row > self.allowed:
+            kept = run_dir.list_checkpoints(self.out)
+            raise RunStopped(
+                f"training diverged at step {step}: {found} (not finite); stopped without saving the model. "
+                f"Lower train.learning_rate (now {self.lr:g}), keep train.max_grad_norm set, or set "
+                "train.skip_nonfinite_steps to skip such updates"
+                + (f"; the last checkpoint is {kept[-1]}" if kept else "")
+            )
+        logging.getLogger(__name__).warning(
+            "step %d: %s (not finite): update skipped (%d in a row, train.skip_nonfinite_steps %d)",
+            step, found, self.in_a_row, self.allowed,
+        )  # fmt: skip
+        return False
+
+    def pop_skipped(self) -> dict[str, float]:
+        """``skipped_steps`` since the last log line (only when some were skipped)."""
+        out = {"skipped_steps": float(self.skipped)} if self.skipped else {}
+        self.skipped = 0
+        return out
+
+
+class StopSignals:
+    """SIGTERM and SIGINT during training: finish the current step, save a checkpoint, stop with a message.
+
+    ``with StopSignals() as stop:`` installs the handlers (main thread only) and restores them after. A second
+    signal (after ``REPEAT_S``) stops at once (SIGINT: KeyboardInterrupt; SIGTERM: the default action).
+    ``requested()`` is asked at each step's end; on several processes the flag is reduced (max) so every process
+    stops at the same step, whichever got the signal first (torchrun passes SIGTERM on to each process)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    REPEAT_S = 2.0  # a second signal sooner than this is the first one again, forwarded by a launcher
+
+    def __init__(self) -> None:
+        self.signum, self.when = 0, 0.0
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        if self.signum and time.monotonic() - self.when < self.REPEAT_S:
+            return  # the same Ctrl+C passed on by a launcher (torchrun forwards what its process group got)
+        if self.signum:
+            signal.signal(signum, signal.SIG_DFL)
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), signum)
+            return
+        self.signum, self.when = signum, time.monotonic()
+        print(
+            f"{signal.Signals(signum).name}: stopping after this step with a checkpoint (send it again to stop now)",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
+
+    def requested(self, accelerator: Accelerator) -> int:
+        """The signal to stop for (0: none), the same on every process."""
+        if accelerator.num_processes == 1:
+            return self.signum
+        flag = torch.tensor(float(self.signum), device=accelerator.device)
+        return int(accelerator.reduce(flag, "max"))
+
+    @staticmethod
+    def stopped(signum: int, step: int, checkpoint: Path) -> RunStopped:
+        name = signal.Signals(signum).name
+        return RunStopped(
+            f"{name} at step {step}: saved {checkpoint}; continue with resume_from_checkpoint=auto",
+            exit_code=128 + signum,
+        )
 
 
 def log_record(accelerator: Accelerator, out: Path, record: dict[str, Any]) -> None:

@@ -236,8 +236,6 @@ def render_prompt(tokenizer: Any, messages: list[dict], tools: list | None = Non
     return _ids(render_contexts(tokenizer, messages, tools, generation_prompt=True)[-1])
 
 
-
-
 def render_sft_outcomes(
     tokenizer: Any,
     messages: list[dict],

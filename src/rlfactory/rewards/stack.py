@@ -6,21 +6,22 @@ reward model. A function with a ``completions`` parameter is a TRL-style reward 
 GRPOTrainer calls one, once per batch: ``fn(prompts=[...], completions=[...], completion_ids=[...],
 <column>=[...] for every other dataset column, **function_args) -> list[float | None]`` (conversational rows:
 prompts as message lists, completions as ``[{"role": "assistant", "content": text}]``; ``None`` = does not apply,
-scored 0 as TRL's nansum does). A call that raises, returns something that is not a number (or a dict of numbers), or
-runs past ``reward.timeout_s`` is a *failure*: it scores ``reward.failure_score``, is counted in
-``reward/<name>/failures`` and logged once per step — a bad reward never crashes a run. Calls run
-on daemon threads, ``reward.num_workers`` at a time, so a hung function cannot block the run (its
-thread is abandoned). A dict result is summed into the component; its keys are logged separately.
+scored 0 as TRL's nansum does).
+A call that raises (``SystemExit`` too), returns something that is not a finite number (or a dict
+of them: NaN and inf are failures), or runs past ``reward.timeout_s`` is a *failure*: it scores
+``reward.failure_score``, is counted in ``reward/<name>/failures`` and logged once per step with its reason — a
+bad reward never crashes a run. User functions run in worker processes (``rlfactory.usercode``,
+``reward.num_workers`` of them, kept for the run), so a hung call, even a CPU-bound loop, is killed at its
+timeout, and what they print stays out of the run's output; bundled functions are called directly. A dict
+result is summed into the component; its keys are logged separately. ``reward.max_failures_in_a_row`` failed
+calls of one function in a row stop the run (:class:`FailureStreaks`, checked by the online loop).
 """
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import logging
 import math
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ from rlfactory.config.schema import RewardConfig
 from rlfactory.errors import UserError
 from rlfactory.plugins import load_user_function
 from rlfactory.rewards.builtin import REWARD_FUNCTIONS
+from rlfactory.usercode import Outcome, UserCodePool
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class Component:
     kwargs: dict[str, Any] = field(default_factory=dict)
     needs_answer: bool = False
     needs_lengths: bool = False
+    ref: str | None = None  # ``path/to/file.py:function`` of a user function (run in a worker process)
     trl_style: bool = False  # batched fn(prompts, completions, completion_ids, **columns) -> list
 
 
@@ -113,7 +116,8 @@ def build_components(cfg: RewardConfig) -> list[Component]:
         if not trl_style:
             _check_signature(spec, fn, kwargs, traits.get("needs_lengths", False))
         needs = traits.get("needs_answer", False), traits.get("needs_lengths", False)
-        components.append(Component(name, weight, fn, kwargs, *needs, trl_style=trl_style))
+        ref = spec if is_user_function(spec) else None
+        components.append(Component(name, weight, fn, kwargs, *needs, ref, trl_style=trl_style))
     return components
 
 
@@ -129,59 +133,41 @@ def _check_signature(spec: str, fn: Callable[..., Any], kwargs: dict[str, Any], 
 
 
 def _as_score(value: Any) -> tuple[float, dict[str, float]]:
-    """A float (or dict of floats, summed) from a reward function's return value; raises on anything else."""
+    """A finite float (or dict of them, summed) from a reward function's return value; raises on anything else."""
     if isinstance(value, dict):
         parts = {str(k): _as_score(v)[0] for k, v in value.items()}
         return sum(parts.values()), parts
-    if isinstance(value, bool | int | float) and not math.isnan(float(value)):
+    if isinstance(value, bool | int | float) and math.isfinite(float(value)):
         return float(value), {}
-    raise TypeError(f"returned {value!r}; expected a number or a dict of numbers")
+    raise TypeError(f"returned {value!r}; expected a finite number or a dict of finite numbers")
 
 
-def _run_threads(calls: list[Callable[[], Any]], timeout: float, workers: int) -> list[tuple[Any, str | None]]:
-    """Run zero-argument calls on daemon threads, ``workers`` at a time; (result, error) per call."""
-    results: list[tuple[Any, str | None]] = [(None, f"timed out after {timeout:g}s")] * len(calls)
-
-    def target(i: int, call: Callable[[], Any]) -> None:
+def _call_in_process(fn: Callable[..., Any], calls: list[tuple[tuple, dict[str, Any]]]) -> list[Outcome]:
+    """Bundled reward functions: ours, fast and bounded, so called directly (no worker round trip)."""
+    outcomes = []
+    for args, kwargs in calls:
         try:
-            results[i] = (call(), None)
-        except Exception as exc:  # a user reward failed: recorded, never raised
-            results[i] = (None, f"{type(exc).__name__}: {exc}")
-
-    for start in range(0, len(calls), workers):
-        threads = [
-            threading.Thread(target=target, args=(i, calls[i]), daemon=True)
-            for i in range(start, min(start + workers, len(calls)))
-        ]
-        for thread in threads:
-            thread.start()
-        deadline = time.monotonic() + timeout
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-    return results
+            outcomes.append(Outcome(fn(*args, **kwargs)))
+        except Exception as exc:  # e.g. a bad function_args pattern: scored as a failure like any other
+            outcomes.append(Outcome(error=f"{type(exc).__name__}: {exc}"))
+    return outcomes
 
 
-def _run_async(fn: Callable[..., Any], arg_sets: list[tuple], kwargs: list[dict], timeout: float) -> list:
-    """All calls of an ``async def`` reward in one event loop (on a daemon thread), each with its own timeout."""
+class FailureStreaks:
+    """Calls in a row that failed, per reward function, over steps: a step in which any call of a function
+    succeeded resets its count. Fed the step's failure counts of every process, so every process decides alike."""
 
-    async def one(args: tuple, kw: dict) -> Any:
-        return await asyncio.wait_for(fn(*args, **kw), timeout)
+    def __init__(self, limit: int | None):
+        self.limit = limit
+        self.counts: dict[str, int] = {}
 
-    async def gather() -> list:
-        calls = (one(a, k) for a, k in zip(arg_sets, kwargs, strict=True))
-        return await asyncio.gather(*calls, return_exceptions=True)
-
-    [(outcome, error)] = _run_threads([lambda: asyncio.run(gather())], timeout + 1.0, 1)
-    if error is not None:
-        return [(None, error)] * len(arg_sets)
-    return [
-        (None, f"timed out after {timeout:g}s")
-        if isinstance(r, asyncio.TimeoutError | TimeoutError)
-        else (None, f"{type(r).__name__}: {r}")
-        if isinstance(r, BaseException)
-        else (r, None)
-        for r in outcome
-    ]
+    def update(self, failures: dict[str, int], calls: int) -> str | None:
+        """The name of a function whose streak reached the limit, else None."""
+        for name, failed in failures.items():
+            self.counts[name] = self.counts.get(name, 0) + failed if failed >= calls else 0
+            if self.limit is not None and self.counts[name] >= self.limit:
+                return name
+        return None
 
 
 class RewardStack:
@@ -192,12 +178,14 @@ class RewardStack:
         self.components = build_components(cfg)
         self.max_response_len = max_response_len
         self.reward_model = reward_model  # callable list[Sample] -> list[float], or None
+        self.pool = UserCodePool(cfg.num_workers)  # user functions' worker processes, started at their first call
+        self.last_errors: dict[str, str] = {}  # the latest failure of each function, for the stop message
 
     @property
     def names(self) -> list[str]:
         return [c.name for c in self.components] + ([RM_NAME] if self.reward_model is not None else [])
 
-    def _call_component(self, comp: Component, samples: list[Sample]) -> list[tuple[Any, str | None]]:
+    def _call_component(self, comp: Component, samples: list[Sample]) -> list[Outcome]:
         if comp.trl_style:
             return self._call_trl(comp, samples)
         arg_sets = [(s.prompt, s.completion, s.answer, s.example) for s in samples]
@@ -212,24 +200,38 @@ class RewardStack:
             }
             for s in samples
         ]
-        if inspect.iscoroutinefunction(comp.fn):
-            return _run_async(comp.fn, arg_sets, kwargs, self.cfg.timeout_s)
-        calls = [lambda a=a, k=k: comp.fn(*a, **k) for a, k in zip(arg_sets, kwargs, strict=True)]
-        return _run_threads(calls, self.cfg.timeout_s, self.cfg.num_workers)
+        return self.execute(comp, list(zip(arg_sets, kwargs, strict=True)))
 
-    def _call_trl(self, comp: Component, samples: list[Sample]) -> list[tuple[Any, str | None]]:
-        """One batched call, as TRL's GRPOTrainer makes it; a failed call fails every sample of the batch."""
-        kwargs = {**trl_inputs(samples), **comp.kwargs}
-        if inspect.iscoroutinefunction(comp.fn):
-            [(values, error)] = _run_async(comp.fn, [()], [kwargs], self.cfg.timeout_s)
-        else:
-            [(values, error)] = _run_threads([lambda: comp.fn(**kwargs)], self.cfg.timeout_s, 1)
-        if error is None and (not isinstance(values, list | tuple) or len(values) != len(samples)):
-            error = f"returned {type(values).__name__} of length {len(values) if hasattr(values, '__len__') else '?'}"
-            error += f"; a TRL-style reward returns one value per completion ({len(samples)})"
-        if error is not None:
-            return [(None, error)] * len(samples)
-        return [(0.0 if value is None else value, None) for value in values]
+    def execute(self, comp: Component, calls: list[tuple[tuple, dict[str, Any]]]) -> list[Outcome]:
+        """Run ``comp`` once per ``(args, kwargs)``: how, not with what (argument building is the caller's). A user
+        function runs in the worker pool, with the timeout; a bundled one in this process."""
+        if comp.ref is None:
+            return _call_in_process(comp.fn, calls)
+        return self.pool.map(comp.ref, calls, self.cfg.timeout_s)
+
+    def execute_batched(self, comp: Component, kwargs: dict[str, Any], n: int) -> list[Outcome]:
+        """One call that scores ``n`` samples at once (it returns a list of ``n`` values), as a per-sample outcome
+        list: a failed call, or a result that is not a list of ``n``, fails every sample with the reason."""
+        [outcome] = self.execute(comp, [((), kwargs)])
+        values = outcome.value
+        if outcome.error is None and (not isinstance(values, list | tuple) or len(values) != n):
+            size = f"of length {len(values)}" if hasattr(values, "__len__") else repr(values)[:80]
+            outcome.error = f"returned {type(values).__name__} {size}; expected a list of {n} values, one per sample"
+        if outcome.error is not None:
+            return [Outcome(error=outcome.error, seconds=outcome.seconds, timed_out=outcome.timed_out)] * n
+        return [Outcome(value, seconds=outcome.seconds) for value in values]
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def _call_trl(self, comp: Component, samples: list[Sample]) -> list[Outcome]:
+        """One batched call, as TRL's GRPOTrainer makes it; a failed call fails every sample of the batch, and a
+        ``None`` (does not apply) scores 0, as TRL's nansum does."""
+        outcomes = self.execute_batched(comp, {**trl_inputs(samples), **comp.kwargs}, len(samples))
+        for outcome in outcomes:
+            if outcome.error is None and outcome.value is None:
+                outcome.value = 0.0
+        return outcomes
 
     def score(self, samples: list[Sample]) -> Scores:
         total = [0.0] * len(samples)
@@ -238,7 +240,8 @@ class RewardStack:
         failures: dict[str, int] = {}
         for comp in self.components:
             values, errors = [], []
-            for row, (raw, error) in enumerate(self._call_component(comp, samples)):
+            for row, outcome in enumerate(self._call_component(comp, samples)):
+                raw, error = outcome.value, outcome.error
                 if error is None:
                     try:
                         value, sub = _as_score(raw)
@@ -251,6 +254,7 @@ class RewardStack:
                     errors.append(error)
                 values.append(value)
             if errors:
+                self.last_errors[comp.name] = errors[-1]
                 log.warning(
                     "reward '%s' failed on %d/%d samples (first: %s)", comp.name, len(errors), len(samples), errors[0]
                 )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -25,7 +26,10 @@ from rlfactory.envs.base import Env, StepResult
 from rlfactory.render.chat import stop_strings
 from rlfactory.render.glue import ObservationGlue
 from rlfactory.rollout.base import Completion, GenerationBackend, SamplingParams
+from rlfactory.tools.execute import close_workers
 from rlfactory.tools.parsers import TOOL_PARSERS, ParsedTurn, ToolCall, validate_calls
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from rlfactory.config.schema import RunConfig
@@ -75,6 +79,21 @@ class AgentSettings:
     max_tokens_per_turn: int | None = None
 
 
+def _log_failures(convs: list[Conversation]) -> None:
+    """One warning per batch for tool calls that failed and environment steps that raised, with the first reason
+    (each is also in the trace: ``tool_error`` per call, ``env_error`` per turn, and in tool_errors/rate and
+    finish/env_error)."""
+    calls = [c for conv in convs for turn in conv.turns for c in turn["calls"] if c["error_kind"] is None]
+    failed = [c["tool_error"] for c in calls if c.get("tool_error")]
+    if failed:
+        log.info("tool calls failed: %d/%d (first: %s)", len(failed), len(calls), failed[0])
+    env_errors = [t["env_error"] for conv in convs for t in conv.turns if "env_error" in t]
+    if env_errors:
+        log.warning(
+            "environment steps raised in %d/%d episodes (first: %s)", len(env_errors), len(convs), env_errors[0]
+        )
+
+
 class AgentLoop:
     """Runs conversations over a generation backend; ``env_factory()`` makes one environment per sample."""
 
@@ -98,6 +117,7 @@ class AgentLoop:
             results = asyncio.run(self._step_all(stepping))
             for conv, result in zip(stepping, results, strict=True):
                 self._observe(conv, result, params.max_tokens, last_turn=turn == self.settings.max_turns - 1)
+        _log_failures(convs)
         return [self._result(c) for c in convs]
 
     def _start(self, example: dict[str, Any]) -> Conversation:
@@ -152,8 +172,12 @@ class AgentLoop:
 
     async def _step_all(self, convs: list[Conversation]) -> list[StepResult]:
         async def one(conv: Conversation) -> StepResult:
-            outcome = conv.env.step(conv.messages[-1], conv.pending)
-            return await outcome if inspect.isawaitable(outcome) else outcome
+            try:
+                outcome = conv.env.step(conv.messages[-1], conv.pending)
+                return await outcome if inspect.isawaitable(outcome) else outcome
+            except (Exception, SystemExit) as exc:  # a user environment's bug ends its episode, never the run
+                conv.turns[-1]["env_error"] = f"{type(exc).__name__}: {exc}"
+                return StepResult([], True)
 
         return list(await asyncio.gather(*(one(c) for c in convs)))
 
@@ -164,6 +188,9 @@ class AgentLoop:
         for call, res in zip(turn["calls"], result.tool_results, strict=False):
             call.update(result=res.content, tool_error=res.error, seconds=round(res.seconds, 4))
         turn["observation"] = [m["content"] for m in result.observation]
+        if "env_error" in turn:
+            conv.finish = "env_error"
+            return
         turn["reward_parts"] = dict(result.reward_parts)
         for key, value in result.reward_parts.items():
             conv.reward_parts[key] = conv.reward_parts.get(key, 0.0) + float(value)
@@ -248,6 +275,7 @@ class Rollouts:
 
     def close(self) -> None:
         self.backend.close()
+        close_workers()
 
 
 def build_rollouts(cfg: RunConfig, model: Any, tokenizer: Any) -> Rollouts:

@@ -26,6 +26,9 @@ def _sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
         "top_p": params.top_p,
         "top_k": params.top_k,  # 0 disables the warper
         "min_p": params.min_p,  # 0 is a no-op, and keeps a checkpoint's min_p out
+        # a diverged policy's NaN logits would crash sampling ("probability tensor contains inf, nan"); with them
+        # replaced, the step goes on and the loss check (engine.shared.NonFiniteGuard) stops the run with a message
+        "remove_invalid_values": True,
         **fixed,
     }
 

@@ -42,7 +42,7 @@ def start_output_dir(cfg: RunConfig, resume_from: Path | None) -> Path:
     state.wait_for_everyone()
     if state.is_main_process:
         out = run_dir.prepare_output_dir(cfg.output_dir, cfg.overwrite_output_dir, resume_from)
-        (out / "config.yaml").write_text(dump_config(cfg))
+        run_dir.write_atomic(out / "config.yaml", dump_config(cfg))
     state.wait_for_everyone()
     return Path(cfg.output_dir)
 
@@ -139,7 +139,8 @@ def finish(cfg: RunConfig, result: Any, extra: dict[str, Any]) -> dict[str, Any]
     }
     if not process_state().is_main_process:
         return summary
-    Path(result.final_dir, "run_summary.json").write_text(json.dumps(summary, indent=2))
+    # written last, atomically: its presence means the stage finished (a pipeline rerun with resume skips it)
+    run_dir.write_atomic(Path(result.final_dir, run_dir.SUMMARY_FILE), json.dumps(summary, indent=2))
     lines = [f"saved {result.saved_as} model to {result.final_dir}"]
     if "eval_loss" in result.eval_metrics:
         lines.append(f"eval loss {result.eval_metrics['eval_loss']:.4f}")

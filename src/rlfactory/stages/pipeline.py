@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfactory.config.schema import PipelineConfig, RunConfig
+from rlfactory.engine import run_dir
 from rlfactory.stages import get_stage
 
 
@@ -30,7 +31,9 @@ def resolve_from_stage(run: RunConfig, outputs: dict[str, RunConfig]) -> RunConf
 
 
 def run_config(config: RunConfig | PipelineConfig) -> list[dict[str, Any]]:
-    """Run every stage in order; returns their summaries."""
+    """Run every stage in order; returns their summaries. A pipeline rerun with ``resume_from_checkpoint`` skips
+    the stages that finished (their output_dir holds run_summary.json, written last) and resumes the first that
+    did not."""
     runs = config.stages if isinstance(config, PipelineConfig) else [config]
     done: dict[str, RunConfig] = {}
     summaries = []
@@ -38,6 +41,11 @@ def run_config(config: RunConfig | PipelineConfig) -> list[dict[str, Any]]:
         run = resolve_from_stage(run, done)
         if len(runs) > 1:
             print(f"=== pipeline stage {index + 1}/{len(runs)}: {run.name or run.stage} ({run.stage}) ===")
-        summaries.append(get_stage(run.stage).run(run))
+        finished = run_dir.skips_finished(run.output_dir, run.resume_from_checkpoint, len(runs) > 1)
+        if finished is not None:
+            print(f"already finished ({Path(run.output_dir) / run_dir.SUMMARY_FILE}): skipped")
+            summaries.append(finished)
+        else:
+            summaries.append(get_stage(run.stage).run(run))
         done[run.name or run.stage] = run
     return summaries

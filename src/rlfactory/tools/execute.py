@@ -1,25 +1,28 @@
 """Run parsed tool calls concurrently: asyncio, a concurrency limit, a per-call timeout, errors as strings.
 
 A tool never crashes a run: an invalid call, an exception or a timeout becomes the tool result the model
-reads (``"Error: ..."``) and is counted as a tool error. Plain functions run on daemon threads (a hung one
-is abandoned at its timeout, as in the reward stack); ``async def`` tools are awaited; tools flagged
-``runs_code`` run in a fresh Python subprocess (``rlfactory.tools.sandbox``) with a CPU-time and
-address-space limit, killed at the timeout.
+reads (``"Error: ..."``) and is counted as a tool error. The user's tools (``file.py:function``,
+``module:function``, sync or ``async def``) run in persistent worker processes (``rlfactory.usercode``): one that
+hangs, even in a CPU-bound loop, is killed at its timeout, one that calls ``sys.exit`` or dies is an error result,
+and what one prints never reaches the run's output (a tool that prints and returns nothing returns what it
+printed). Bundled tools (bounded, ours) run on threads. Tools flagged ``runs_code`` run in a fresh Python
+subprocess (``rlfactory.tools.sandbox``) with a CPU-time and address-space limit, killed at the timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from rlfactory.tools.parsers import ToolCall
 from rlfactory.tools.spec import Tool
+from rlfactory.usercode import UserCodePool
 
 
 @dataclass(frozen=True)
@@ -54,8 +57,10 @@ async def _in_thread(fn: Any, kwargs: dict[str, Any]) -> Any:
     def target() -> None:
         try:
             value, error = fn(**kwargs), None
-        except BaseException as exc:  # the tool's own error: reported to the model
+        except Exception as exc:  # the tool's own error: reported to the model
             value, error = None, exc
+        except BaseException as exc:  # SystemExit, KeyboardInterrupt from a tool: an error, never the run's exit
+            value, error = None, RuntimeError(f"{type(exc).__name__}: {exc}")
         if not loop.is_closed():
             loop.call_soon_threadsafe(
                 lambda: future.done() or (future.set_exception(error) if error else future.set_result(value))
@@ -87,6 +92,50 @@ async def _in_subprocess(tool: Tool, arguments: dict[str, Any], limits: ExecLimi
     return reply["result"]
 
 
+class UserToolFailed(Exception):
+    """A user tool's call failed in its worker: the message is the outcome's (``ValueError: ...``, timed out, ...)."""
+
+
+class _Workers:
+    """The worker processes of user tools, and the threads that wait on them (one per call in flight)."""
+
+    def __init__(self, size: int):
+        self.size, self.pool, self.threads = size, UserCodePool(size), ThreadPoolExecutor(size)
+
+    async def call(self, tool: Tool, arguments: dict[str, Any], timeout: float) -> Any:
+        loop = asyncio.get_running_loop()
+        outcome = await loop.run_in_executor(self.threads, self.pool.call, tool.source, (), arguments, timeout)
+        if outcome.timed_out:
+            raise TimeoutError
+        if outcome.error is not None:
+            raise UserToolFailed(outcome.error)
+        return outcome.printed if outcome.value is None and outcome.printed else outcome.value
+
+
+_workers: _Workers | None = None
+
+
+def _user_workers(size: int) -> _Workers:
+    global _workers
+    if _workers is None or _workers.size != size:
+        close_workers()
+        _workers = _Workers(size)
+    return _workers
+
+
+def close_workers() -> None:
+    """Stop the user tools' worker processes (the run's end; the next call starts new ones)."""
+    global _workers
+    if _workers is not None:
+        _workers.pool.close()
+        _workers.threads.shutdown(wait=False)
+        _workers = None
+
+
+def is_user_tool(tool: Tool) -> bool:
+    return ":" in tool.source
+
+
 async def run_call(call: ToolCall, tools: dict[str, Tool], limits: ExecLimits, gate: asyncio.Semaphore) -> ToolResult:
     """One call -> its result; never raises."""
     if not call.valid:
@@ -99,13 +148,15 @@ async def run_call(call: ToolCall, tools: dict[str, Tool], limits: ExecLimits, g
         try:
             if tool.runs_code:
                 value: Any = await _in_subprocess(tool, arguments, limits, timeout)
-            elif inspect.iscoroutinefunction(tool.fn):
-                value = await asyncio.wait_for(tool.fn(**arguments), timeout)
+            elif is_user_tool(tool):
+                value = await _user_workers(limits.max_concurrency).call(tool, arguments, timeout)
             else:
                 value = await asyncio.wait_for(_in_thread(tool.fn, arguments), timeout)
             return ToolResult(_cut(as_text(value), limits.max_chars), None, time.monotonic() - start)
         except (asyncio.TimeoutError, TimeoutError):
             error = f"tool '{tool.name}' timed out after {timeout:g}s"
+        except UserToolFailed as exc:
+            error = str(exc)
         except Exception as exc:  # the tool failed: the model reads why
             error = f"{type(exc).__name__}: {exc}"
         return ToolResult(_cut(f"Error: {error}", limits.max_chars), error, time.monotonic() - start)

@@ -11,8 +11,8 @@ The output dir is prepared here, with the engine's own rules (``engine.run_dir``
 file it is writing to; the child then gets ``overwrite_output_dir=false`` on its command line.
 
 One run at a time per output dir: a second Start on a busy dir is refused. Stop terminates the whole
-process tree (SIGTERM, then SIGKILL after a grace period); checkpoints already written stay, so a
-later run with ``resume_from_checkpoint: auto`` continues from the last one.
+process tree (SIGTERM: the run saves a checkpoint after its current step; SIGKILL after a grace period);
+checkpoints stay, so a later run with ``resume_from_checkpoint: auto`` continues from the last one.
 
 Every path is checked against the workspace (``webui.workspace``) first. The state file is never trusted
 on its own: it records the run's pid with the process's start time, command line and workspace, and Stop
@@ -40,7 +40,7 @@ from rlfactory.webui import workspace
 YAML_NAME = "webui_run.yaml"
 LOG_NAME = "webui_run.log"
 STATE_NAME = "webui_run.json"
-STOP_GRACE_S = 5.0
+STOP_GRACE_S = 30.0  # on SIGTERM a run finishes its step and saves a checkpoint: time for that, then SIGKILL
 
 
 @dataclass

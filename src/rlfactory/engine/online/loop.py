@@ -25,13 +25,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlfactory.config.schema import RunConfig
-from rlfactory.engine import shared
+from rlfactory.engine import run_dir, shared
 from rlfactory.engine.offline import TrainResult
 from rlfactory.engine.online.phases import LoopState, Run, step, trace_rows
 from rlfactory.engine.online.ranks import Ranks
 from rlfactory.engine.online.update import Updater
-from rlfactory.errors import UserError
-from rlfactory.rewards.stack import RewardStack, Sample, Scores, score_metrics
+from rlfactory.errors import RunStopped, UserError
+from rlfactory.rewards.stack import FailureStreaks, RewardStack, Sample, Scores, score_metrics
 from rlfactory.rollout.agent import build_rollouts, episode_metrics, episode_trace_fields
 from rlfactory.rollout.base import SamplingParams
 
@@ -134,6 +134,9 @@ def build_run(
         critic.train()
         _ddp_ignore_unused(critic)
         critic_updater = _updater(accelerator, critic, cfg.critic.learning_rate, cfg, updates, ranks)
+    actor.guard = shared.NonFiniteGuard(cfg.train, accelerator, Path(cfg.output_dir))
+    if critic_updater is not None:
+        critic_updater.guard = actor.guard
     accelerator.register_save_state_pre_hook(shared.keep_trainable_weights)
     shared.init_trackers(accelerator, cfg)
     reward_model = None
@@ -252,7 +255,7 @@ def write_trace(out: Path, name: str, rows: list[dict[str, Any]]) -> Path:
     folder = out / "rollouts"
     folder.mkdir(exist_ok=True)
     path = folder / f"{name}.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run_dir.write_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
     return path
 
 
@@ -321,19 +324,41 @@ def train(
     )
     if eval_prompts and cfg.evaluation.before_training and resume_from is None:
         before = _validate_and_log(run, 0)
-    main = run.accelerator.is_main_process
     bar = tqdm(
         total=run.total_steps,
         initial=run.state.step,
         desc=cfg.stage,
-        disable=not (cfg.logging.progress_bar and main),
+        disable=not (cfg.logging.progress_bar and run.accelerator.is_main_process),
     )
+    try:
+        with shared.StopSignals() as stop:
+            last = _loop(run, bar, stop, bool(eval_prompts))
+        bar.close()
+        if eval_prompts:
+            after = _validate_and_log(run, run.state.step)
+        return _finish(run, last, before, after)
+    finally:
+        run.rewards.close()  # the user functions' worker processes
+
+
+def _checkpoint(run: Run, done: int) -> Path:
+    run.state.kl_coef = run.kl_ctrl.value
+    return shared.save_checkpoint(run.accelerator, run.out, done, asdict(run.state), run.cfg.train.save_total_limit)
+
+
+def _loop(run: Run, bar: Any, stop: shared.StopSignals, validates: bool) -> dict[str, float]:
+    """The steps from the current one to the end; returns the last logged metrics. Stops (after a checkpoint) on
+    SIGTERM/SIGINT and when a reward function failed ``reward.max_failures_in_a_row`` calls in a row."""
+    cfg, main = run.cfg, run.accelerator.is_main_process
+    streaks = FailureStreaks(cfg.reward.max_failures_in_a_row)
     window: list[dict[str, float]] = []
     last: dict[str, float] = {}
     for index in range(run.state.step, run.total_steps):
         result = step(run, index)
         done = run.state.step = index + 1
-        window.append(result.metrics)
+        # the next step would sample from these weights: non-finite ones stop the run here, with a message
+        shared.check_finite_weights(run.accelerator, run.accelerator._models, "model", step=done)
+        window.append({**result.metrics, **run.actor.guard.pop_skipped()})
         bar.update(1)
         bar.set_postfix(score=f"{result.metrics['score/mean']:.3f}")
         if done % cfg.logging.logging_steps == 0 or done == run.total_steps:
@@ -342,23 +367,37 @@ def train(
             window = []
         if main and cfg.logging.rollout_trace_steps and (done == 1 or done % cfg.logging.rollout_trace_steps == 0):
             write_trace(run.out, f"step_{done:05d}", trace_rows(done, result.samples, result.advantages))
-        if eval_prompts and cfg.train.eval_steps and done % cfg.train.eval_steps == 0 and done < run.total_steps:
+        if validates and cfg.train.eval_steps and done % cfg.train.eval_steps == 0 and done < run.total_steps:
             _validate_and_log(run, done)
+        saved = None
         if cfg.train.save_steps and done % cfg.train.save_steps == 0 and done < run.total_steps:
-            run.state.kl_coef = run.kl_ctrl.value
-            shared.save_checkpoint(run.accelerator, run.out, done, asdict(run.state), cfg.train.save_total_limit)
-    bar.close()
-    if eval_prompts:
-        after = _validate_and_log(run, run.state.step)
-    return _finish(run, last, before, after)
+            saved = _checkpoint(run, done)
+        failures = {n: int(result.metrics.get(f"reward/{n}/failures", 0)) for n in run.rewards.names}
+        failing = streaks.update(failures, int(result.metrics["rollout/generated_samples"]))
+        signum = stop.requested(run.accelerator)
+        if failing is None and not signum or done == run.total_steps:
+            continue
+        if done % cfg.logging.logging_steps:  # the step's metrics (and failure counts) reach the log first
+            _log(run, {"step": done, "epoch": run.state.epoch, **_mean(window)})
+        saved = saved or _checkpoint(run, done)
+        if failing is not None:
+            last_error = run.rewards.last_errors.get(failing, "see the log")
+            raise RunStopped(
+                f"reward function '{failing}' failed {streaks.counts[failing]} calls in a row "
+                f"(reward.max_failures_in_a_row: {cfg.reward.max_failures_in_a_row}), the last: {last_error}; "
+                f"saved {saved}: fix the function and continue with resume_from_checkpoint=auto",
+                exit_code=2,
+            )
+        raise shared.StopSignals.stopped(signum, done, saved)
+    return last
 
 
 def _finish(run: Run, last: dict, before: dict | None, after: dict | None) -> tuple[TrainResult, dict[str, Any]]:
-    from rlfactory.engine import run_dir
     from rlfactory.model.loader import save_model
 
     accelerator, cfg = run.accelerator, run.cfg
     accelerator.wait_for_everyone()
+    shared.check_finite_weights(accelerator, accelerator._models, "final model")
     policy = accelerator.unwrap_model(run.actor.model)  # DDP keeps the weights the same on every rank
     saved_as = None
     if accelerator.is_main_process:

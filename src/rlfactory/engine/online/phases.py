@@ -333,13 +333,13 @@ def update_models(run: Run, batch: RolloutBatch, step: int) -> tuple[dict[str, f
     if run.critic is not None:
         with run.timer("update_critic"):
             loss_fn = ops.critic_loss_fn(run.critic.model, batch, alg, ro.max_response_len)
-            metrics.update(run.critic.run(batch, alg, micro, batch.response_mask, loss_fn, "critic").metrics)
+            metrics.update(run.critic.run(batch, alg, micro, batch.response_mask, loss_fn, "critic", step + 1).metrics)
     if step >= (cfg.critic.warmup_steps if run.critic is not None else 0):
         with run.timer("update_actor"):
             loss_fn = ops.actor_loss_fn(
                 run.actor.model, batch, alg, ro.temperature, ro.max_response_len, ro.is_correction, ro.is_threshold
             )
-            result = run.actor.run(batch, alg, micro, batch.loss_mask, loss_fn, "actor")
+            result = run.actor.run(batch, alg, micro, batch.loss_mask, loss_fn, "actor", step + 1)
         metrics.update(result.metrics)
         trainer_logprobs = result.logprobs
     if run.rollouts.syncs_weights:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from rlfactory.algos.common import entropy_from_logits, masked_mean, masked_var, token_logprobs
 from rlfactory.config.schema import AlgorithmConfig
-from rlfactory.engine.shared import autocast_forward, clip_grad_norm
+from rlfactory.engine.shared import NonFiniteGuard, autocast_forward, clip_grad_norm
 from rlfactory.rollout.batch import RolloutBatch, response_logits
 
 if TYPE_CHECKING:
@@ -220,6 +220,7 @@ class Updater:
         self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
         self.max_grad_norm = max_grad_norm
         self.ranks = ranks
+        self.guard: NonFiniteGuard | None = None  # the run's: a non-finite loss or gradient skips or stops
 
     def _mini_batch(self, mask: torch.Tensor, rows: torch.Tensor) -> MiniBatch:
         if self.ranks is None or not self.ranks.many:
@@ -227,7 +228,14 @@ class Updater:
         return MiniBatch(rows, self.ranks.gather_rows(mask[rows]), self.ranks.rank * len(rows))
 
     def run(
-        self, batch: Batch, alg: AlgorithmConfig, micro: int, mask: torch.Tensor, loss_fn: LossFn, prefix: str
+        self,
+        batch: Batch,
+        alg: AlgorithmConfig,
+        micro: int,
+        mask: torch.Tensor,
+        loss_fn: LossFn,
+        prefix: str,
+        step: int = 0,
     ) -> UpdateResult:
         # metrics stay device tensors until the end of the step: a float() per micro-batch is a GPU sync that
         # stops the CPU from queueing the next micro-batch's kernels
@@ -257,6 +265,7 @@ class Updater:
                     continue  # nothing to learn from (e.g. every sample truncated and masked)
                 mini_batch = self._mini_batch(mask, mini_rows)
                 mini: dict[str, Any] = defaultdict(float)
+                mini_loss = torch.zeros((), device=device)
                 starts = range(0, len(mini_host), micro)
                 for start in starts:
                     pos = torch.arange(start, min(start + micro, len(mini_host)), device=device)
@@ -268,6 +277,7 @@ class Updater:
                             part = loss_fn(rows, pos, mini_batch, width)
                         # x world: DDP averages the ranks' gradients, the parts of a mini-batch aggregate add up
                         self.accelerator.backward(part.loss if world == 1 else part.loss * world)
+                    mini_loss += part.loss.detach().float()
                     if part.logprobs is not None:
                         if seen is None:
                             seen = torch.full(batch.responses.shape, float("nan"), device=device)
@@ -276,7 +286,10 @@ class Updater:
                         mini[key] = mini[key] + (value.detach().float() if torch.is_tensor(value) else value)
                 norm = clip_grad_norm(self.accelerator, self.model, self.max_grad_norm)
                 mini["grad_norm"] = 0.0 if norm is None else norm
-                self.optimizer.step()
+                # several processes: the gradient norm (global after DDP's all-reduce; a NaN loss anywhere makes it
+                # NaN) alone decides, so every process skips or stops alike; one process: the loss too
+                if self.guard is None or self.guard.ok(step, mini_loss if world == 1 else norm, norm):
+                    self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 for key, value in mini.items():
