@@ -14,6 +14,7 @@ folder does not count as a run, and the same command may start again in it witho
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import time
@@ -29,6 +30,7 @@ CHECKPOINT_PREFIX = "checkpoint-"
 LOG_FILE = "trainer_log.jsonl"
 RUN_MARKERS = ("config.yaml", LOG_FILE)
 MARKER_FILE = "run.json"
+STATE_FILE = "trainer_state.json"  # a checkpoint's loop state, written last
 START_FILES = {MARKER_FILE, "config.yaml", LOG_FILE}  # all a run writes before its first step
 PROJECT_FILES = ("pyproject.toml", ".git")
 
@@ -39,7 +41,7 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     found = []
     for path in folder.glob(f"{CHECKPOINT_PREFIX}*") if folder.is_dir() else []:
         match = re.fullmatch(rf"{CHECKPOINT_PREFIX}(\d+)", path.name)
-        if match and (path / "trainer_state.json").is_file():
+        if match and (path / STATE_FILE).is_file():
             found.append((int(match.group(1)), path))
     return [path for _, path in sorted(found)]
 
@@ -50,14 +52,36 @@ def resolve_resume(output_dir: str, resume: str | None) -> Path | None:
         return None
     if resume == "auto":
         checkpoints = list_checkpoints(output_dir)
+        if checkpoints:
+            check_checkpoint(checkpoints[-1])
         return checkpoints[-1] if checkpoints else None
     path = Path(resume)
-    if not (path / "trainer_state.json").is_file():
+    if not (path / STATE_FILE).is_file():
         raise UserError(
-            f"resume_from_checkpoint: '{resume}' is not a checkpoint directory (no trainer_state.json); "
+            f"resume_from_checkpoint: '{resume}' is not a checkpoint directory (no {STATE_FILE}); "
             f"use `auto` or one of: {', '.join(str(p) for p in list_checkpoints(output_dir)) or 'none found'}"
         )
+    check_checkpoint(path)
     return path
+
+
+def check_checkpoint(path: Path) -> None:
+    """A checkpoint to resume from is complete: its state file parses with a step, and the model and optimizer files
+    that Accelerate restores are there. A bad one (cut by a crash, edited by hand) is an error naming it."""
+    fix = "delete it to resume from an earlier checkpoint, or set resume_from_checkpoint to another one"
+    try:
+        state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+    except (ValueError, OSError) as exc:
+        raise UserError(f"checkpoint '{path}': {STATE_FILE} is not valid JSON ({exc}); {fix}") from None
+    if not isinstance(state, dict) or not isinstance(state.get("global_step"), int):
+        raise UserError(f"checkpoint '{path}': {STATE_FILE} holds no global_step; {fix}")
+    names = [p.name for p in path.iterdir()]
+    needed = {"model weights": ("model", "pytorch_model")}
+    if not (path / "pytorch_model").is_dir():  # DeepSpeed keeps the optimizer inside its pytorch_model/ folder
+        needed["optimizer state"] = ("optimizer",)
+    missing = [what for what, prefixes in needed.items() if not any(name.startswith(prefixes) for name in names)]
+    if missing:
+        raise UserError(f"checkpoint '{path}' is incomplete (no {' and no '.join(missing)}); {fix}")
 
 
 def project_roots(start: Path | None = None) -> list[Path]:
@@ -84,6 +108,23 @@ def check_output_location(output_dir: str) -> Path:
             where = "is" if place == target else "contains"
             raise UserError(f"output_dir '{output_dir}' {where} {name}; choose a folder of its own, e.g. outputs/run")
     return target
+
+
+PSEUDO_FILESYSTEMS = (Path("/proc"), Path("/sys"), Path("/dev"))  # the kernel's views: nothing can be saved there
+
+
+def check_creatable(folder: Path) -> None:
+    """The run could create ``folder``: its nearest existing ancestor is a writable directory on a real filesystem
+    (checked before the run starts, so a bad output_dir fails before any model loads, and nothing is created)."""
+    target = folder.expanduser().absolute()
+    for place in PSEUDO_FILESYSTEMS:
+        if target == place or place in target.parents:
+            raise UserError(f"output_dir '{folder}' is under {place}, a kernel filesystem; choose a normal folder")
+    existing = next(p for p in (target, *target.parents) if p.exists())
+    if not existing.is_dir():
+        raise UserError(f"output_dir '{folder}' cannot be created: '{existing}' is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"output_dir '{folder}' cannot be created: '{existing}' is not writable")
 
 
 def has_marker(folder: Path) -> bool:
@@ -129,6 +170,7 @@ def check_output_dir(output_dir: str, overwrite: bool, resume_from: Path | None)
     folder = Path(output_dir)
     if folder.exists() and not folder.is_dir():
         raise UserError(f"output_dir '{output_dir}' is a file; choose a directory")
+    check_creatable(folder)
     holds_run = (
         folder.is_dir()
         and not never_trained(folder)

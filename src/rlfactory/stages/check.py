@@ -27,33 +27,47 @@ def _load(run: RunConfig, names: list[str], max_samples: int | None) -> tuple[li
 
 
 def check_run(run: RunConfig) -> list[str]:
-    """Datasets (rows converted and validated), model path and chat template. Raises UserError."""
-    from rlfactory.data.loader import load_examples
+    """Everything ``train`` checks before its first step, in the same order: the DeepSpeed file, the resume target
+    and output_dir, datasets (rows converted and validated), the stage's own rules (names, user code), the model
+    folder (config, weights, adapters) and its tokenizer and chat template. Raises UserError. What this machine
+    lacks (a GPU, a package) is a warning line: the file may be meant for another machine."""
+    from rlfactory.engine import run_dir
+    from rlfactory.engine.shared import check_deepspeed_file, environment_problems
 
-    notes = []
+    label = f"[{run.name or run.stage}]"
+    check_deepspeed_file(run)
+    notes = [f"{label} warning: on this machine, {problem}" for problem in environment_problems(run)]
+    resume_from = run_dir.resolve_resume(run.output_dir, run.resume_from_checkpoint)
+    run_dir.check_output_dir(run.output_dir, run.overwrite_output_dir, resume_from)
     train, kind = _load(run, run.data.dataset, run.data.max_samples)
-    notes.append(f"[{run.name or run.stage}] data: {len(train)} {kind} examples from {', '.join(run.data.dataset)}")
+    notes.append(f"{label} data: {len(train)} {kind} examples from {', '.join(run.data.dataset)}")
     if run.data.eval_dataset:
         held, _ = _load(run, run.data.eval_dataset, None)
-        notes.append(f"[{run.name or run.stage}] eval data: {len(held)} examples")
-    if run.evaluation.dataset:
-        load_examples([run.evaluation.dataset], "prompt", run.data.dataset_dir, 1, run.data.max_bad_rows)
+        notes.append(f"{label} eval data: {len(held)} examples")
+    if run.evaluation.dataset and run.rollout is None:  # ppo/grpo check theirs in the stage's own check
+        from rlfactory.stages.common import load_eval_prompts
+
+        load_eval_prompts(run)
     from rlfactory.stages import get_stage
 
     stage_check = getattr(get_stage(run.stage), "check", None)  # the stage's own rules (names, columns, files)
     if stage_check is not None:
         notes += list(stage_check(run) or [])
-    if run.model.from_stage is None and run.model.name_or_path and Path(run.model.name_or_path).is_dir():
-        from rlfactory.model.loader import load_tokenizer
-
-        load_tokenizer(run.model)
-        notes.append(f"[{run.name or run.stage}] model: {run.model.name_or_path} (tokenizer and chat template OK)")
-    else:
-        notes.append(
-            f"[{run.name or run.stage}] model: {run.model.name_or_path or 'from stage ' + str(run.model.from_stage)}"
-            " (not a local directory: checked when the run starts)"
-        )
+    notes.append(_check_model(run, label))
     return notes
+
+
+def _check_model(run: RunConfig, label: str) -> str:
+    """The model folder and adapters (from a pipeline's earlier stage: known when that stage has run)."""
+    if run.model.from_stage is not None:
+        return f"{label} model: from stage {run.model.from_stage} (checked when that stage has run)"
+    from rlfactory.model.loader import check_model_paths, load_tokenizer
+
+    check_model_paths(run.model)
+    if Path(str(run.model.name_or_path)).expanduser().is_dir():
+        load_tokenizer(run.model)
+        return f"{label} model: {run.model.name_or_path} (config, weights, tokenizer and chat template OK)"
+    return f"{label} model: {run.model.name_or_path} (not a local directory: checked when the run starts)"
 
 
 def check_config(config: RunConfig | PipelineConfig) -> list[str]:

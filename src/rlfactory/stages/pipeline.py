@@ -32,6 +32,10 @@ def resolve_from_stage(run: RunConfig, outputs: dict[str, RunConfig]) -> RunConf
 def run_config(config: RunConfig | PipelineConfig) -> list[dict[str, Any]]:
     """Run every stage in order; returns their summaries."""
     runs = config.stages if isinstance(config, PipelineConfig) else [config]
+    if len(runs) > 1:  # a bad later stage fails now, not after the earlier stages have trained
+        from rlfactory.stages.check import check_config
+
+        check_config(config)
     done: dict[str, RunConfig] = {}
     summaries = []
     for index, run in enumerate(runs):
