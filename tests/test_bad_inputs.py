@@ -134,7 +134,7 @@ def load_case(path: Path) -> dict[str, Any]:
     from rlfactory.config.yaml_io import parse_yaml
 
     case = parse_yaml(path.read_text(), path.name)  # a case file with a duplicate key is refused too
-    assert case.get("why") and case.get("expect"), f"{path.name}: a case needs `why` and `expect`"
+    assert case.get("why") and (case.get("expect") or case.get("check_warns")), f"{path.name}: needs why and expect"
     return case
 
 
@@ -193,7 +193,31 @@ def test_debug_shows_the_traceback(tmp_path: Path):
     assert "Traceback" in result.stderr and "error: " in result.stderr
 
 
+def test_unused_sections_are_warned_at_the_start_of_a_run(tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    """A section for another fine-tuning method is a warning in the run's log too (check prints it: see the corpus)."""
+    from rlfactory.config.loader import load_config
+    from rlfactory.stages.common import preflight
+
+    run_yaml, overrides = prepare(load_case(CASES_DIR / "lora_section_with_full.yaml"), tmp_path)
+    with caplog.at_level("WARNING"):
+        preflight(load_config(run_yaml, overrides))
+    assert "the `lora:` section is ignored: model.finetuning is full" in caplog.text
+    assert not (tmp_path / "out").exists()
+
+
+# every input issue 21 saw end in a traceback (or pass `config check` and fail in `train`)
+ISSUE_CASES = [
+    "yaml_binary", "override_broken_yaml", "seed_negative", "flash_attention_not_installed", "model_dir_empty",
+    "safetensors_truncated", "safetensors_garbage", "registry_top_level_list", "jsonl_invalid_utf8", "csv_ragged",
+    "parquet_corrupt", "dataset_file_is_plain_directory", "preference_margin_not_number", "resume_corrupt_state",
+    "resume_auto_half_written", "output_dir_under_proc", "output_dir_under_file", "from_stage_single_run",
+    "yaml_duplicate_key", "webui_port_busy", "webui_port_too_large", "lora_section_with_full",
+    "eval_steps_without_eval_data", "fp16_on_cpu", "pipeline_stage_bad_dataset",
+]
+
+
 def test_corpus_is_large_and_covers_the_issue():
-    assert len(CASES) >= 100
+    errors = [p for p in CASES if load_case(p).get("commands") != []]
+    assert len(errors) >= 100
     names = {p.stem for p in CASES}
-    assert set(END_TO_END) <= names
+    assert set(END_TO_END + ISSUE_CASES) <= names, set(END_TO_END + ISSUE_CASES) - names

@@ -236,7 +236,7 @@ def test_stop_after_a_restart_signals_the_verified_run(tmp_path: Path, monkeypat
     raw["data"].pop("eval_dataset", None)
     raw["data"]["dataset_dir"] = str(ROOT / "data")
     raw["model"]["name_or_path"] = str(ROOT / "data/models/tiny-arith")
-    raw.update(output_dir="outputs/r", train={**raw["train"], "max_steps": 5000})
+    raw.update(output_dir="outputs/r", train={**raw["train"], "max_steps": 5000, "eval_steps": None})  # no eval data
     runner.start(raw, yaml.safe_dump(raw))
     pid = runner.read_state("outputs/r")["pid"]
     for active in runner._ACTIVE.values():  # its watcher thread would record "failed" when the run is killed

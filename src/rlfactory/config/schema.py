@@ -428,20 +428,28 @@ class RunConfig(Section):
         return self
 
     def _ignored_settings(self) -> None:
-        """A setting that would have no effect is refused: the user meant something that would not happen."""
-        method = self.model.finetuning
-        for section, default, used_by in ((self.lora, LoraConfig(), "lora"), (self.freeze, FreezeConfig(), "freeze")):
-            if method != used_by and section != default:
-                name = type(section).__name__.removesuffix("Config").lower()
-                raise ValueError(
-                    f"a `{name}:` section is set but model.finetuning is {method}, so it would be ignored; remove it, "
-                    f"or set model.finetuning: {used_by}"
-                )
+        """A setting whose whole point would not happen is refused: evaluation every N steps with nothing to
+        evaluate on. (Sections that would merely be unused are warnings: see ``unused_sections``.)"""
         if self.train.eval_steps and not self._has_eval_data():
             source = "data.eval_dataset or data.eval_split" if self.rollout is None else "evaluation.dataset"
             raise ValueError(
                 f"train.eval_steps is set but there is nothing to evaluate on: set {source}, or remove train.eval_steps"
             )
+
+    def unused_sections(self) -> list[str]:
+        """Sections given for another fine-tuning method (``lora:`` with ``finetuning: full``): they change nothing,
+        so they are warned about (``config check`` and the start of a run), not refused: a pipeline's ``defaults``
+        may carry a lora section for its LoRA stages next to a full one."""
+        method = self.model.finetuning
+        warnings = []
+        for section, default, used_by in ((self.lora, LoraConfig(), "lora"), (self.freeze, FreezeConfig(), "freeze")):
+            if method != used_by and section != default:
+                name = type(section).__name__.removesuffix("Config").lower()
+                warnings.append(
+                    f"the `{name}:` section is ignored: model.finetuning is {method}; remove it, or set "
+                    f"model.finetuning: {used_by}"
+                )
+        return warnings
 
     def _has_eval_data(self) -> bool:
         """Offline stages evaluate on data.eval_dataset / eval_split; ppo/grpo validate on prompts."""

@@ -36,7 +36,8 @@ def check_run(run: RunConfig) -> list[str]:
 
     label = f"[{run.name or run.stage}]"
     check_deepspeed_file(run)
-    notes = [f"{label} warning: on this machine, {problem}" for problem in environment_problems(run)]
+    notes = [f"{label} warning: {warning}" for warning in run.unused_sections()]
+    notes += [f"{label} warning: on this machine, {problem}" for problem in environment_problems(run)]
     resume_from = run_dir.resolve_resume(run.output_dir, run.resume_from_checkpoint)
     run_dir.check_output_dir(run.output_dir, run.overwrite_output_dir, resume_from)
     train, kind = _load(run, run.data.dataset, run.data.max_samples)

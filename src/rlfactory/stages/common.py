@@ -30,6 +30,8 @@ def preflight(cfg: RunConfig) -> Path | None:
     from transformers import set_seed
 
     check_deepspeed_file(cfg)
+    for warning in cfg.unused_sections():
+        log.warning("%s", warning)
     for problem in environment_problems(cfg):  # `config check` warns about these; train cannot go on
         raise UserError(problem)
     check_strategy(cfg)
