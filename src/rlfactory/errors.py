@@ -36,3 +36,10 @@ def read_text(path: Path | str, what: str = "") -> str:
             f"{label}{path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at line {line}); "
             "save it as UTF-8 (a binary file cannot be read here)"
         ) from None
+
+
+def first_line(exc: BaseException, with_type: bool = False) -> str:
+    """The first line of a library's error message (they run to pages), for a UserError that quotes it."""
+    lines = str(exc).strip().splitlines()
+    text = lines[0] if lines else ""
+    return f"{type(exc).__name__}: {text}" if with_type or not text else text

@@ -421,6 +421,10 @@ class RunConfig(Section):
                 f"tools: stage {self.stage} trains on recorded conversations; it reads tool schemas from the "
                 "dataset's tools column (columns: {tools: <column>}). Remove `tools:` (it is for ppo/grpo rollouts)"
             )
+        if self.kto is not None and self.train.per_device_batch_size < 2:
+            raise ValueError(
+                "kto estimates its KL reference point within a micro-batch: set train.per_device_batch_size >= 2"
+            )
         self._distributed_rules()
         self._ignored_settings()
         if self.dpo is not None and self.dpo.ref_model and self.dpo.loss_type in ("simpo",):

@@ -15,7 +15,7 @@ from typing import Any
 
 from rlfactory.data.formats import CONVERTERS, RowError
 from rlfactory.data.registry import DatasetSpec, get_spec, load_registry
-from rlfactory.errors import UserError, read_text
+from rlfactory.errors import UserError, first_line, read_text
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,9 @@ def _read_saved(path: Path, spec: DatasetSpec, name: str) -> Iterator[dict[str, 
     try:
         loaded = datasets.load_from_disk(str(path))
     except Exception as exc:  # datasets and Arrow raise many types; all mean "this folder cannot be read"
-        raise UserError(f"dataset '{name}': cannot read the saved dataset '{path}': {_first_line(exc)}") from None
+        raise UserError(
+            f"dataset '{name}': cannot read the saved dataset '{path}': {first_line(exc, with_type=True)}"
+        ) from None
     if isinstance(loaded, datasets.DatasetDict):
         if spec.split not in loaded:
             raise UserError(f"dataset '{name}': '{path}' has no split '{spec.split}'; splits: {', '.join(loaded)}")
@@ -102,7 +104,7 @@ def _read_table(path: Path, kind: str) -> Iterator[dict[str, Any]]:
     except Exception as exc:  # DatasetGenerationError, ArrowInvalid, ParserError ...: the file cannot be parsed
         cause = exc.__cause__ or exc
         raise UserError(
-            f"{path}: cannot be read as {kind.upper()}: {_first_line(cause)}; "
+            f"{path}: cannot be read as {kind.upper()}: {first_line(cause, with_type=True)}; "
             + (
                 "check that every row has as many fields as the header"
                 if kind == "csv"
@@ -122,11 +124,6 @@ def _quiet(logger: str) -> Iterator[None]:
         yield
     finally:
         log_.setLevel(level)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 def check_example(example: dict[str, Any], kind: str) -> None:

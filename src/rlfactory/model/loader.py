@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlfactory.config.schema import FreezeConfig, LoraConfig, ModelConfig, TrainConfig
-from rlfactory.errors import UserError
+from rlfactory.errors import UserError, first_line, read_text
 
 if TYPE_CHECKING:
     from rlfactory.algos.common import HeadKernels
@@ -60,7 +61,7 @@ def check_model_dir(path: str, what: str = "model.name_or_path") -> None:
     try:
         AutoConfig.from_pretrained(str(folder))
     except LOAD_ERRORS as exc:
-        raise UserError(f"{what}: cannot read {folder / 'config.json'}: {_first_line(exc)}") from None
+        raise UserError(f"{what}: cannot read {folder / 'config.json'}: {first_line(exc)}") from None
     weights = sorted(folder.glob("*.safetensors"))
     if not weights and not any(folder.glob("pytorch_model*.bin")):
         raise UserError(f"{what}: '{path}' has no weights (no *.safetensors or pytorch_model*.bin files)")
@@ -94,11 +95,6 @@ def check_safetensors(file: Path) -> None:
         raise UserError(f"{file}: truncated or corrupt safetensors file ({problem}); download or save the model again")
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
-
-
 def load_tokenizer(cfg: ModelConfig, padding_side: str = "right") -> Any:
     """AutoTokenizer with a chat template (its own or the named ``model.template``) and a pad token."""
     from transformers import AutoTokenizer
@@ -109,7 +105,7 @@ def load_tokenizer(cfg: ModelConfig, padding_side: str = "right") -> Any:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     except LOAD_ERRORS as exc:  # e.g. no tokenizer files: "Couldn't instantiate the backend tokenizer"
         raise UserError(
-            f"cannot load a tokenizer from '{path}': {_first_line(exc)} "
+            f"cannot load a tokenizer from '{path}': {first_line(exc)} "
             "(offline: the model must be a local directory or already in the Hugging Face cache)"
         ) from None
     if cfg.template is not None:
@@ -166,7 +162,7 @@ def load_model(
             trust_remote_code=cfg.trust_remote_code,
         )
     except LOAD_ERRORS as exc:
-        raise UserError(f"cannot load model '{path}': {_first_line(exc)}") from None
+        raise UserError(f"cannot load model '{path}': {first_line(exc)}") from None
     for adapter in cfg.adapter_paths:
         model = merge_adapter(model, adapter)
     if trainable:
@@ -254,6 +250,12 @@ def check_adapter(adapter: str) -> None:
     if not Path(adapter, "adapter_config.json").is_file():
         where = "does not exist" if not Path(adapter).exists() else "is not a LoRA adapter directory"
         raise UserError(f"model.adapter_paths: '{adapter}' {where} (no adapter_config.json)")
+    try:
+        config = json.loads(read_text(Path(adapter, "adapter_config.json"), "model.adapter_paths:"))
+    except ValueError as exc:
+        raise UserError(f"model.adapter_paths: {adapter}/adapter_config.json is not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"model.adapter_paths: {adapter}/adapter_config.json must hold a JSON object")
     for file in Path(adapter).glob("*.safetensors"):
         check_safetensors(file)
 

@@ -6,7 +6,9 @@ all of which sit above the schema (config imports nothing of the package but err
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rlfactory.config.schema import PipelineConfig, RunConfig
 
@@ -55,19 +57,70 @@ def check_run(run: RunConfig) -> list[str]:
     if stage_check is not None:
         notes += list(stage_check(run) or [])
     notes.append(_check_model(run, label))
+    if Path(str(run.model.name_or_path)).expanduser().is_dir() and run.model.from_stage is None:
+        from rlfactory.model.loader import load_tokenizer
+
+        kept = RENDERERS[run.stage](run, load_tokenizer(run.model))
+        notes.append(f"{label} rendered: {kept} training examples fit (data.cutoff_len / rollout.max_prompt_len)")
     return notes
+
+
+# What each stage renders before its first step, from the same functions: a cutoff nothing fits, a chat template
+# that rewrites history, KTO data with one label only fail here as they would in train.
+def _render_sft(run: RunConfig, tokenizer: Any) -> int:
+    from rlfactory.stages.sft import render_examples
+
+    examples, _ = _load(run, run.data.dataset, run.data.max_samples)
+    return len(render_examples(run, tokenizer, examples))
+
+
+def _render_pairs(run: RunConfig, tokenizer: Any) -> int:
+    from rlfactory.stages.preference_data import load_train_eval, render_pairs
+
+    train, held = load_train_eval(run, "pairwise")
+    if held:
+        render_pairs(run, tokenizer, held)
+    return len(render_pairs(run, tokenizer, train))
+
+
+def _render_unpaired(run: RunConfig, tokenizer: Any) -> int:
+    from rlfactory.stages.kto import check_labels, load_kto_examples, render_unpaired
+
+    assert run.kto is not None
+    examples = load_kto_examples(run, run.data.dataset)
+    check_labels(examples, run.data.dataset, run.kto)
+    return len(render_unpaired(run, tokenizer, examples))
+
+
+def _render_prompts(run: RunConfig, tokenizer: Any) -> int:
+    from rlfactory.stages.rl import load_prompt_sets, render_prompts
+
+    train, evals, _ = load_prompt_sets(run)
+    if evals:
+        render_prompts(run, tokenizer, evals)
+    return len(render_prompts(run, tokenizer, train))
+
+
+RENDERERS: dict[str, Callable[[RunConfig, Any], int]] = {
+    "sft": _render_sft,
+    "rm": _render_pairs,
+    "dpo": _render_pairs,
+    "orpo": _render_pairs,
+    "kto": _render_unpaired,
+    "ppo": _render_prompts,
+    "grpo": _render_prompts,
+}
 
 
 def _check_model(run: RunConfig, label: str) -> str:
     """The model folder and adapters (from a pipeline's earlier stage: known when that stage has run)."""
     if run.model.from_stage is not None:
         return f"{label} model: from stage {run.model.from_stage} (checked when that stage has run)"
-    from rlfactory.model.loader import check_model_paths, load_tokenizer
+    from rlfactory.model.loader import check_model_paths
 
     check_model_paths(run.model)
     if Path(str(run.model.name_or_path)).expanduser().is_dir():
-        load_tokenizer(run.model)
-        return f"{label} model: {run.model.name_or_path} (config, weights, tokenizer and chat template OK)"
+        return f"{label} model: {run.model.name_or_path} (config and weights OK)"
     return f"{label} model: {run.model.name_or_path} (not a local directory: checked when the run starts)"
 
 

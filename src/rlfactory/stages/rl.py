@@ -96,6 +96,10 @@ def load_prompt_sets(cfg: RunConfig) -> tuple[list[dict], list[dict], list[Any]]
     ):
         if path and not Path(path).is_dir():
             raise UserError(f"{what}: '{path}' is not a directory")
+        if path:  # config, weights: an empty or half-copied folder fails here, not after the policy has loaded
+            from rlfactory.model.loader import check_model_dir
+
+            check_model_dir(path, what)
     data, ev = cfg.data, cfg.evaluation
     answer_users = [c.name for c in components if c.needs_answer]
     train = load_examples(data.dataset, "prompt", data.dataset_dir, data.max_samples, data.max_bad_rows)
