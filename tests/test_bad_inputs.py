@@ -153,6 +153,10 @@ def test_bad_input(path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str
 
     case = load_case(path)
     monkeypatch.chdir(tmp_path)
+    if "webui" in case.get("commands", []):  # `webui` sets this process's workspace before it checks the port
+        from rlfactory.webui import workspace
+
+        monkeypatch.setattr(workspace, "_CURRENT", [])
     run_yaml, overrides = prepare(case, tmp_path)
     if case.get("check_warns"):  # the machine cannot run it (a GPU-only setting): check warns, train refuses
         assert main(argv_for("check", case, run_yaml, overrides)) == 0

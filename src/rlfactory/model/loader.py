@@ -20,6 +20,11 @@ log = logging.getLogger(__name__)
 LOAD_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, KeyError, TypeError)
 
 
+def is_hub_id(path: str) -> bool:
+    """``org/name`` or ``name``, not a path (``./x``, ``/x``, ``~/x``, ``a/b/c``)."""
+    return not path.startswith((".", "/", "~")) and path.count("/") <= 1
+
+
 def check_model_exists(path: str, what: str = "model.name_or_path") -> None:
     """A path must be a model directory (with a readable config and complete weights); a hub id must be cached when
     offline (HF_HUB_OFFLINE=1)."""
@@ -30,17 +35,17 @@ def check_model_exists(path: str, what: str = "model.name_or_path") -> None:
         return
     if Path(path).expanduser().exists():
         raise UserError(f"{what}: '{path}' is a file, not a model directory; give the folder holding config.json")
-    is_hub_id = not path.startswith((".", "/", "~")) and path.count("/") <= 1
-    if is_hub_id and os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false"):
+    hub_id = is_hub_id(path)
+    if hub_id and os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false"):
         return  # may be downloaded
-    if is_hub_id:
+    if hub_id:
         from huggingface_hub import try_to_load_from_cache
 
         if isinstance(try_to_load_from_cache(path, "config.json"), str):
             return
     raise UserError(
         f"{what}: model path '{path}' does not exist (not a local directory"
-        + (" and not in the local Hugging Face cache" if is_hub_id else "")
+        + (" and not in the local Hugging Face cache" if hub_id else "")
         + f"); set {what} to a model directory or a cached hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct)"
     )
 

@@ -116,12 +116,18 @@ def _check_model(run: RunConfig, label: str) -> str:
     """The model folder and adapters (from a pipeline's earlier stage: known when that stage has run)."""
     if run.model.from_stage is not None:
         return f"{label} model: from stage {run.model.from_stage} (checked when that stage has run)"
-    from rlfactory.model.loader import check_model_paths
+    from rlfactory.errors import UserError
+    from rlfactory.model.loader import check_model_paths, is_hub_id
 
-    check_model_paths(run.model)
-    if Path(str(run.model.name_or_path)).expanduser().is_dir():
-        return f"{label} model: {run.model.name_or_path} (config and weights OK)"
-    return f"{label} model: {run.model.name_or_path} (not a local directory: checked when the run starts)"
+    path = str(run.model.name_or_path)
+    if not is_hub_id(path) or Path(path).expanduser().exists():
+        check_model_paths(run.model)
+        return f"{label} model: {path} (config and weights OK)"
+    try:  # a hub id: whether it can be had is a matter of this machine (its cache, its network)
+        check_model_paths(run.model)
+    except UserError as exc:
+        return f"{label} warning: on this machine, {exc}"
+    return f"{label} model: {path} (a hub id: downloaded or read from the cache when the run starts)"
 
 
 def check_config(config: RunConfig | PipelineConfig) -> list[str]:
