@@ -76,6 +76,8 @@ def environment_problems(cfg: RunConfig) -> list[str]:
                 "train.mixed_precision fp16 needs a GPU: on a CPU, Accelerate does not autocast to fp16 and would "
                 "train in fp32; set train.mixed_precision: auto, no or bf16"
             )
+    if cfg.model.liger_kernel == "on" and importlib.util.find_spec("liger_kernel") is None:
+        problems.append("model.liger_kernel: on needs the liger-kernel package (`pip install liger-kernel`)")
     packages = {"flash_attention_2": "flash_attn"}
     package = packages.get(cfg.model.attn_implementation)
     if package is not None and importlib.util.find_spec(package) is None:
