@@ -25,13 +25,16 @@ def is_hub_id(path: str) -> bool:
     return not path.startswith((".", "/", "~")) and path.count("/") <= 1
 
 
-def check_model_exists(path: str, what: str = "model.name_or_path") -> None:
-    """A path must be a model directory (with a readable config and complete weights); a hub id must be cached when
-    offline (HF_HUB_OFFLINE=1)."""
+def check_model_exists(path: str, what: str = "model.name_or_path", weights: bool = True) -> None:
+    """A path must be a model directory (with a readable config and complete weights, unless ``weights`` is False:
+    a tokenizer may come from an adapter folder); a hub id must be cached when offline (HF_HUB_OFFLINE=1)."""
     import os
 
     if Path(path).expanduser().is_dir():
-        check_model_dir(path, what)
+        if weights:
+            check_model_dir(path, what)
+        else:
+            _check_not_empty(Path(path).expanduser(), what)
         return
     if Path(path).expanduser().exists():
         raise UserError(f"{what}: '{path}' is a file, not a model directory; give the folder holding config.json")
@@ -56,11 +59,10 @@ def check_model_dir(path: str, what: str = "model.name_or_path") -> None:
     from transformers import AutoConfig
 
     folder = Path(path).expanduser()
-    if not any(folder.iterdir()):
-        raise UserError(
-            f"{what}: '{path}' is an empty directory; a model folder holds config.json, the tokenizer files and "
-            "the weights (*.safetensors)"
-        )
+    _check_not_empty(folder, what)
+    if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
+        check_adapter(str(folder))  # an adapter folder: transformers loads its base model and attaches it
+        return
     if not (folder / "config.json").is_file():
         raise UserError(f"{what}: '{path}' has no config.json; it is not a Hugging Face model directory")
     try:
@@ -72,6 +74,14 @@ def check_model_dir(path: str, what: str = "model.name_or_path") -> None:
         raise UserError(f"{what}: '{path}' has no weights (no *.safetensors or pytorch_model*.bin files)")
     for file in weights:
         check_safetensors(file)
+
+
+def _check_not_empty(folder: Path, what: str) -> None:
+    if not any(folder.iterdir()):
+        raise UserError(
+            f"{what}: '{folder}' is an empty directory; a model folder holds config.json, the tokenizer files and "
+            "the weights (*.safetensors)"
+        )
 
 
 def check_safetensors(file: Path) -> None:
@@ -105,7 +115,7 @@ def load_tokenizer(cfg: ModelConfig, padding_side: str = "right") -> Any:
     from transformers import AutoTokenizer
 
     path = str(cfg.name_or_path)
-    check_model_exists(path)
+    check_model_exists(path, weights=False)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     except LOAD_ERRORS as exc:  # e.g. no tokenizer files: "Couldn't instantiate the backend tokenizer"
