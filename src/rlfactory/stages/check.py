@@ -29,10 +29,10 @@ def _load(run: RunConfig, names: list[str], max_samples: int | None) -> tuple[li
 
 
 def check_run(run: RunConfig) -> list[str]:
-    """Everything ``train`` checks before its first step, in the same order: the DeepSpeed file, the resume target
-    and output_dir, datasets (rows converted and validated), the stage's own rules (names, user code), the model
-    folder (config, weights, adapters) and its tokenizer and chat template. Raises UserError. What this machine
-    lacks (a GPU, a package) is a warning line: the file may be meant for another machine."""
+    """Everything ``train`` checks before its first step: the DeepSpeed file, the resume target and output_dir,
+    datasets (rows converted and validated), the stage's own rules (names, user code), the model folder (config,
+    weights, adapters), its tokenizer and chat template, and the data rendered as the stage renders it. Raises
+    UserError. What this machine lacks (a GPU, a package) is a warning line: the file may be for another machine."""
     from rlfactory.engine import run_dir
     from rlfactory.engine.shared import check_deepspeed_file, environment_problems
 
