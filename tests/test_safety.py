@@ -92,7 +92,8 @@ def test_overwrite_deletes_only_our_runs(tmp_path: Path, monkeypatch: pytest.Mon
     marker = json.loads((run / run_dir.MARKER_FILE).read_text())
     assert marker["tool"] == "rlfactory" and len(marker["run_id"]) == 32
     (run / "config.yaml").write_text("stage: sft\n")
-    (run / "checkpoint-2").mkdir()
+    (run / "checkpoint-2").mkdir()  # a complete checkpoint (trainer_state.json lists its files: none here)
+    (run / "checkpoint-2" / "trainer_state.json").write_text('{"global_step": 2, "files": {}}')
     run_dir.prepare_output_dir(str(run), False, None)  # resuming keeps the run's id
     assert json.loads((run / run_dir.MARKER_FILE).read_text())["run_id"] == marker["run_id"]
     run_dir.check_output_dir(str(run), True, None)
@@ -236,7 +237,7 @@ def test_stop_after_a_restart_signals_the_verified_run(tmp_path: Path, monkeypat
     raw["data"].pop("eval_dataset", None)
     raw["data"]["dataset_dir"] = str(ROOT / "data")
     raw["model"]["name_or_path"] = str(ROOT / "data/models/tiny-arith")
-    raw.update(output_dir="outputs/r", train={**raw["train"], "max_steps": 5000})
+    raw.update(output_dir="outputs/r", train={**raw["train"], "max_steps": 5000, "eval_steps": None})  # no eval data
     runner.start(raw, yaml.safe_dump(raw))
     pid = runner.read_state("outputs/r")["pid"]
     for active in runner._ACTIVE.values():  # its watcher thread would record "failed" when the run is killed

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 
 from rlfactory import __version__
 from rlfactory.errors import UserError
@@ -30,6 +31,12 @@ def _parser() -> argparse.ArgumentParser:
         description="Declarative LLM post-training: pt, sft, rm, dpo, kto, orpo, ppo, grpo from one YAML file.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        default=os.environ.get("RLFACTORY_DEBUG", "0") not in ("", "0", "false"),
+        help="on an input error, also print the traceback behind the message (or set RLFACTORY_DEBUG=1)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     train = sub.add_parser("train", help="run a stage or pipeline YAML")
@@ -202,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
         return handlers[args.command](args)
     except UserError as exc:
         if os.environ.get("RANK", "0") == "0":  # several processes: the same input error once, from rank 0
+            if args.debug:  # with the library error behind the message (raised `from None` for users)
+                exc.__suppress_context__ = False
+                traceback.print_exception(exc, file=sys.stderr)
             print(f"{exc.prefix}: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
+from pathlib import Path
 
 
 class UserError(Exception):
@@ -32,3 +33,25 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str:
     """Return ' (did you mean 'x'?)' for the closest candidate, or '' if none is close."""
     close = difflib.get_close_matches(str(name), [str(c) for c in candidates], n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def read_text(path: Path | str, what: str = "") -> str:
+    """A user's text file as UTF-8: a file in another encoding (or binary) is a UserError naming the file, the line
+    and the byte, where Python would raise a UnicodeDecodeError without the file's name."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        label = f"{what} " if what else ""
+        raise UserError(
+            f"{label}{path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at line {line}); "
+            "save it as UTF-8 (a binary file cannot be read here)"
+        ) from None
+
+
+def first_line(exc: BaseException, with_type: bool = False) -> str:
+    """The first line of a library's error message (they run to pages), for a UserError that quotes it."""
+    lines = str(exc).strip().splitlines()
+    text = lines[0] if lines else ""
+    return f"{type(exc).__name__}: {text}" if with_type or not text else text

@@ -69,7 +69,7 @@ def load_user_function(spec: str, what: str = "reward.functions") -> Callable[..
     module = importlib.util.module_from_spec(module_spec)
     try:
         module_spec.loader.exec_module(module)
-    except Exception as exc:  # the user's module: any error is theirs to fix
+    except (Exception, SystemExit) as exc:  # the user's module: any error (an exit() too) is theirs to fix
         raise UserError(f"{what}: importing '{path}' failed: {type(exc).__name__}: {exc}") from None
     fn = getattr(module, name, None)
     if not callable(fn):

@@ -14,21 +14,16 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from rlfactory.config.schema import PipelineConfig, RunConfig
+from rlfactory.config.yaml_io import load_yaml_file
 from rlfactory.errors import UserError, did_you_mean
 
 
 def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a YAML mapping, with clear errors for a missing file or bad syntax."""
+    """Read a YAML mapping, with clear errors for a missing file, a non-UTF-8 file, bad syntax or a duplicate key."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"config file '{path}' does not exist; pass the path of a run YAML (see examples/)")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise UserError(f"{path}: YAML syntax error{where}: {problem}") from None
+    data = load_yaml_file(path, "config file")
     if data is None:
         raise UserError(f"{path}: the file is empty; it needs at least `stage`, `model` and `data`")
     if not isinstance(data, dict):
@@ -46,7 +41,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str], source: str = "co
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise UserError(f"{source}: override '{item}' must look like key.sub=value")
-        value = yaml.safe_load(text) if text else ""
+        value = _override_value(text, item, source)
         parts = key.split(".")
         if "stages" in raw and parts[0] != "stages" and parts[0] not in PipelineConfig.model_fields:
             index = _stage_index(raw["stages"], parts[0])
@@ -67,6 +62,19 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str], source: str = "co
             node = child
         node[parts[-1]] = value
     return raw
+
+
+def _override_value(text: str, item: str, source: str) -> Any:
+    """An override's value, parsed as YAML (``[1, 2]`` is a list, ``1e-4`` a number)."""
+    if not text:
+        return ""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise UserError(
+            f"{source}: override '{item}' is not valid YAML ({problem}); fix the value, or quote it to pass a string"
+        ) from None
 
 
 def _stage_index(stages: Any, name: str) -> int | None:
@@ -157,9 +165,15 @@ def validate_config(raw: dict[str, Any], source: str) -> RunConfig | PipelineCon
     if model is PipelineConfig:
         raw = _expand_pipeline(raw)
     try:
-        return model.model_validate(raw)  # type: ignore[return-value]
+        config = model.model_validate(raw)
     except ValidationError as exc:
         raise UserError(format_validation_error(exc, source, model)) from None
+    if isinstance(config, RunConfig) and config.model.from_stage is not None:
+        raise UserError(
+            f"{source}: model.from_stage ('{config.model.from_stage}') names an earlier stage of a pipeline, and this "
+            "is a single run; set model.name_or_path to that stage's output_dir, or write a pipeline (`stages:`)"
+        )
+    return config  # type: ignore[return-value]
 
 
 def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None) -> RunConfig | PipelineConfig:

@@ -163,7 +163,7 @@ class TrainConfig(Section):
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
     per_device_batch_size: int = Field(4, ge=1, description="Micro-batch size per device (memory-bound).")
     grad_accum_steps: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
-    learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate.")
+    learning_rate: float = Field(1e-4, gt=0, allow_inf_nan=False, description="Peak learning rate.")
     lr_scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup", "cosine_with_min_lr"] = Field(
         "cosine", description="Learning-rate schedule (transformers' get_scheduler)."
     )
@@ -363,7 +363,9 @@ class RunConfig(Section):
     resume_from_checkpoint: str | None = Field(
         None, description="`auto` (latest checkpoint in output_dir, if any) or a checkpoint directory."
     )
-    seed: int = Field(42, description="Seed for data order, initialisation and sampling.")
+    seed: int = Field(
+        42, ge=0, le=2**32 - 1, description="Seed for data order, initialisation and sampling (0 to 2**32 - 1)."
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     freeze: FreezeConfig = Field(default_factory=FreezeConfig)
@@ -434,10 +436,45 @@ class RunConfig(Section):
                 f"tools: stage {self.stage} trains on recorded conversations; it reads tool schemas from the "
                 "dataset's tools column (columns: {tools: <column>}). Remove `tools:` (it is for ppo/grpo rollouts)"
             )
+        if self.kto is not None and self.train.per_device_batch_size < 2:
+            raise ValueError(
+                "kto estimates its KL reference point within a micro-batch: set train.per_device_batch_size >= 2"
+            )
         self._distributed_rules()
+        self._ignored_settings()
         if self.dpo is not None and self.dpo.ref_model and self.dpo.loss_type in ("simpo",):
             raise ValueError(f"dpo.loss_type '{self.dpo.loss_type}' is reference-free: remove dpo.ref_model")
         return self
+
+    def _ignored_settings(self) -> None:
+        """A setting whose whole point would not happen is refused: evaluation every N steps with nothing to
+        evaluate on. (Sections that would merely be unused are warnings: see ``unused_sections``.)"""
+        if self.train.eval_steps and not self._has_eval_data():
+            source = "data.eval_dataset or data.eval_split" if self.rollout is None else "evaluation.dataset"
+            raise ValueError(
+                f"train.eval_steps is set but there is nothing to evaluate on: set {source}, or remove train.eval_steps"
+            )
+
+    def unused_sections(self) -> list[str]:
+        """Sections given for another fine-tuning method (``lora:`` with ``finetuning: full``): they change nothing,
+        so they are warned about (``config check`` and the start of a run), not refused: a pipeline's ``defaults``
+        may carry a lora section for its LoRA stages next to a full one."""
+        method = self.model.finetuning
+        warnings = []
+        for section, default, used_by in ((self.lora, LoraConfig(), "lora"), (self.freeze, FreezeConfig(), "freeze")):
+            if method != used_by and section != default:
+                name = type(section).__name__.removesuffix("Config").lower()
+                warnings.append(
+                    f"the `{name}:` section is ignored: model.finetuning is {method}; remove it, or set "
+                    f"model.finetuning: {used_by}"
+                )
+        return warnings
+
+    def _has_eval_data(self) -> bool:
+        """Offline stages evaluate on data.eval_dataset / eval_split; ppo/grpo validate on prompts."""
+        if self.rollout is not None:
+            return self.evaluation.dataset is not None
+        return bool(self.data.eval_dataset) or self.data.eval_split > 0
 
     def sharded(self) -> bool:
         """No process holds the whole model after prepare (zero3, zero3_offload, fsdp2, or a ZeRO-3 JSON)."""

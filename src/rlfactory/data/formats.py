@@ -16,6 +16,7 @@ A converter raises RowError with a message naming the column; the loader adds fi
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from rlfactory.data.registry import DatasetSpec
@@ -101,6 +102,17 @@ def _response_messages(value: Any, what: str, as_message) -> list[dict[str, Any]
     return [as_message(item, f"{what}[{i}]") for i, item in enumerate(items)]
 
 
+def _margin(value: Any, column: str) -> float:
+    """A reward-model margin: a finite number (a numeric string is accepted)."""
+    try:
+        margin = float(value)
+    except (TypeError, ValueError):
+        raise RowError(f"'{column}' (the margin) must be a number, got {value!r}") from None
+    if not math.isfinite(margin):
+        raise RowError(f"'{column}' (the margin) must be a finite number, got {value!r}")
+    return margin
+
+
 def _label(value: Any, column: str) -> bool | None:
     if value is None:
         return None
@@ -130,7 +142,7 @@ def _common(row: dict[str, Any], spec: DatasetSpec, messages: list[dict[str, Any
     answer = _column(row, cols.answer, required=cols.answer is not None)
     example["answer"] = None if answer is None else str(answer)
     margin = _column(row, cols.margin)
-    example["margin"] = None if margin is None else float(margin)
+    example["margin"] = None if margin is None else _margin(margin, cols.margin)
     return example
 
 

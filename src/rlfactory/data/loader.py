@@ -6,6 +6,7 @@ with a warning, more is an error. An empty result is an error.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ from typing import Any
 from rlfactory.data.formats import CONVERTERS, RowError
 from rlfactory.data.registry import DatasetSpec, get_spec, load_registry
 from rlfactory.data.trl import CONVERSATION_COLUMNS, UnsupportedType, from_trl, is_trl_row
-from rlfactory.errors import UserError
+from rlfactory.errors import UserError, first_line, read_text
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ def _iter_json(path: Path) -> Iterator[dict[str, Any]]:
     """JSON list or JSON Lines. Read with the json module rather than `datasets`: Arrow would unify
     message dicts across rows (adding null keys that chat templates then render) and row numbers
     must stay exact for error messages."""
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path)
     stripped = text.lstrip()
     if stripped.startswith("["):
         try:
@@ -76,21 +77,14 @@ def _iter_rows(spec: DatasetSpec, folder: Path, name: str) -> tuple[str, Iterato
     if not path.exists():
         raise UserError(f"dataset '{name}': file '{path}' does not exist (file_name in {folder}/dataset_info.yaml)")
     if path.is_dir():
-        import datasets
-
-        loaded = datasets.load_from_disk(str(path))
-        ds = loaded[spec.split] if isinstance(loaded, datasets.DatasetDict) else loaded
-        return str(path), iter(ds)
+        return str(path), _read_saved(path, spec, name)
     suffix = path.suffix.lower()
     if suffix in (".json", ".jsonl"):
         return str(path), _iter_json(path)
     if suffix == ".txt":
         return str(path), _iter_text(path)
     if suffix in (".csv", ".parquet"):
-        import datasets
-
-        ds = datasets.load_dataset(suffix[1:], data_files=str(path), split="train")
-        return str(path), iter(ds)
+        return str(path), _read_table(path, suffix[1:])
     raise UserError(
         f"dataset '{name}': unsupported file type '{suffix}' ({path}); use json, jsonl, txt, csv or parquet"
     )
@@ -147,6 +141,63 @@ def is_ranking(name: str, folder: Path, specs: dict[str, DatasetSpec]) -> bool:
     _, rows = _iter_rows(spec, folder, name)
     row = next(iter(rows), None)
     return isinstance(row, dict) and "chosen" in row and "rejected" in row and "completion" not in row
+
+
+def _read_saved(path: Path, spec: DatasetSpec, name: str) -> Iterator[dict[str, Any]]:
+    """A folder written by ``datasets``' ``save_to_disk`` (a plain folder of files is not one)."""
+    import datasets
+
+    if not any((path / marker).is_file() for marker in ("dataset_info.json", "state.json", "dataset_dict.json")):
+        raise UserError(
+            f"dataset '{name}': '{path}' is a directory, not a file or a `datasets` save_to_disk folder; set file_name "
+            "to the data file inside it"
+        )
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except Exception as exc:  # datasets and Arrow raise many types; all mean "this folder cannot be read"
+        raise UserError(
+            f"dataset '{name}': cannot read the saved dataset '{path}': {first_line(exc, with_type=True)}"
+        ) from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if spec.split not in loaded:
+            raise UserError(f"dataset '{name}': '{path}' has no split '{spec.split}'; splits: {', '.join(loaded)}")
+        return iter(loaded[spec.split])
+    return iter(loaded)
+
+
+def _read_table(path: Path, kind: str) -> Iterator[dict[str, Any]]:
+    """A csv or parquet file through ``datasets``. It parses the whole file here, so a ragged CSV, a non-UTF-8 CSV or
+    a corrupt parquet is one error naming the file, before any row is used."""
+    import datasets
+
+    if kind == "csv":
+        read_text(path)  # the CSV reader's own decoding error names neither the file nor the line
+    try:
+        with _quiet("datasets"):  # it logs the parse error with a traceback before raising it
+            ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+    except Exception as exc:  # DatasetGenerationError, ArrowInvalid, ParserError ...: the file cannot be parsed
+        cause = exc.__cause__ or exc
+        raise UserError(
+            f"{path}: cannot be read as {kind.upper()}: {first_line(cause, with_type=True)}; "
+            + (
+                "check that every row has as many fields as the header"
+                if kind == "csv"
+                else "the file is corrupt or not parquet: write it again (e.g. pandas.DataFrame.to_parquet)"
+            )
+        ) from None
+    return iter(ds)
+
+
+@contextlib.contextmanager
+def _quiet(logger: str) -> Iterator[None]:
+    """Silence a library's logger for a call whose errors become our own message."""
+    log_ = logging.getLogger(logger)
+    level = log_.level
+    log_.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log_.setLevel(level)
 
 
 def check_example(example: dict[str, Any], kind: str) -> None:

@@ -73,18 +73,25 @@ def default_dataset_dir() -> Path:
 
 def load_registry(dataset_dir: str | Path | None) -> tuple[Path, dict[str, DatasetSpec]]:
     """Read and validate dataset_info.yaml; returns (its folder, name -> spec)."""
-    import yaml
+    from rlfactory.config.yaml_io import load_yaml_file
 
     folder = Path(dataset_dir) if dataset_dir else default_dataset_dir()
     path = folder / REGISTRY_FILE
     if not path.is_file():
         raise UserError(f"dataset registry '{path}' not found; set data.dataset_dir to the folder holding it")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise UserError(f"{path}: YAML syntax error: {exc}") from None
+    raw = load_yaml_file(path, "dataset registry") or {}
+    if not isinstance(raw, dict):
+        raise UserError(
+            f"{path}: the top level must be a mapping of dataset names to entries (mine: {{file_name: ...}}), "
+            f"not a {type(raw).__name__}"
+        )
     specs = {}
     for name, entry in raw.items():
+        if not isinstance(entry, dict):
+            raise UserError(
+                f"{path}: dataset '{name}' must be a mapping (file_name: ..., formatting: ...), "
+                f"not a {type(entry).__name__}"
+            )
         try:
             specs[name] = DatasetSpec.model_validate(entry)
         except ValidationError as exc:

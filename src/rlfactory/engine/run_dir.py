@@ -33,6 +33,7 @@ SUMMARY_FILE = "run_summary.json"  # written last by a finished stage
 LOG_FILE = "trainer_log.jsonl"
 RUN_MARKERS = ("config.yaml", LOG_FILE)
 MARKER_FILE = "run.json"
+STATE_FILE = "trainer_state.json"  # a checkpoint's loop state, written last
 START_FILES = {MARKER_FILE, "config.yaml", LOG_FILE}  # all a run writes before its first step
 PROJECT_FILES = ("pyproject.toml", ".git")
 
@@ -73,8 +74,12 @@ def checkpoint_problem(path: Path) -> str | None:
     if not isinstance(state, dict) or not isinstance(state.get("global_step"), int):
         return f"{STATE_FILE} has no global_step"
     files = state.get("files")
-    if files is None:
-        return None if any(path.glob("optimizer*")) else "no optimizer state (optimizer.bin)"
+    if files is None:  # written before the list: the model and optimizer files Accelerate restores
+        names = [p.name for p in path.iterdir()]
+        if not any(name.startswith(("model", "pytorch_model")) for name in names):
+            return "no model weights"
+        deepspeed = (path / "pytorch_model").is_dir()  # DeepSpeed keeps the optimizer inside its pytorch_model/
+        return None if deepspeed or any(n.startswith("optimizer") for n in names) else "no optimizer state"
     for name, size in files.items():
         file = path / name
         if not file.is_file():
@@ -112,7 +117,17 @@ def resolve_resume(output_dir: str, resume: str | None) -> Path | None:
         return None
     if resume == "auto":
         checkpoints = list_checkpoints(output_dir)
-        return checkpoints[-1] if checkpoints else None
+        if checkpoints:
+            return checkpoints[-1]  # damaged newer ones (a kill mid-write) are skipped
+        folder = Path(output_dir)
+        damaged = sorted(folder.glob(f"{CHECKPOINT_PREFIX}*")) if folder.is_dir() else []
+        damaged = [p for p in damaged if p.is_dir() and re.fullmatch(rf"{CHECKPOINT_PREFIX}\d+", p.name)]
+        if damaged:  # only damaged ones: starting over would throw away what the user may mean to recover
+            raise UserError(
+                f"resume_from_checkpoint: auto found no complete checkpoint in {output_dir}: {damaged[-1].name} is "
+                f"incomplete ({checkpoint_problem(damaged[-1])}); delete it to start over, or restore it"
+            )
+        return None
     path = Path(resume)
     problem = checkpoint_problem(path) if path.is_dir() else "no such directory"
     if problem is not None:
@@ -163,6 +178,23 @@ def check_output_location(output_dir: str) -> Path:
     return target
 
 
+PSEUDO_FILESYSTEMS = (Path("/proc"), Path("/sys"), Path("/dev"))  # the kernel's views: nothing can be saved there
+
+
+def check_creatable(folder: Path) -> None:
+    """The run could create ``folder``: its nearest existing ancestor is a writable directory on a real filesystem
+    (checked before the run starts, so a bad output_dir fails before any model loads, and nothing is created)."""
+    target = folder.expanduser().absolute()
+    for place in PSEUDO_FILESYSTEMS:
+        if target == place or place in target.parents:
+            raise UserError(f"output_dir '{folder}' is under {place}, a kernel filesystem; choose a normal folder")
+    existing = next(p for p in (target, *target.parents) if p.exists())
+    if not existing.is_dir():
+        raise UserError(f"output_dir '{folder}' cannot be created: '{existing}' is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"output_dir '{folder}' cannot be created: '{existing}' is not writable")
+
+
 def has_marker(folder: Path) -> bool:
     """``folder`` holds a valid ``run.json`` written by rlfactory."""
     try:
@@ -206,6 +238,7 @@ def check_output_dir(output_dir: str, overwrite: bool, resume_from: Path | None)
     folder = Path(output_dir)
     if folder.exists() and not folder.is_dir():
         raise UserError(f"output_dir '{output_dir}' is a file; choose a directory")
+    check_creatable(folder)
     holds_run = (
         folder.is_dir()
         and not never_trained(folder)

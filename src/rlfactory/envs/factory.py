@@ -20,8 +20,13 @@ def build_env_factory(
     ref: str, tools: dict[str, Tool], limits: ExecLimits, kwargs: dict[str, Any]
 ) -> Callable[[], Env]:
     """``agent.env`` (a registered name or ``path/to/file.py:Class``) -> a zero-argument factory of instances."""
-    if ref.endswith(".py") or ".py:" in ref:
-        cls = load_user_function(ref, what="agent.env")
-    else:
-        cls = ENVIRONMENTS.get(ref)
+    cls = env_class(ref)
     return lambda: cls(tools, limits, **kwargs)
+
+
+def env_class(ref: str) -> Callable[..., Env]:
+    """The environment class ``agent.env`` names: a user file is imported here (its errors are UserErrors), so
+    ``config check`` and the start of a run find them before any model loads."""
+    if ref.endswith(".py") or ".py:" in ref:
+        return load_user_function(ref, what="agent.env")
+    return ENVIRONMENTS.get(ref)

@@ -16,7 +16,7 @@ import torch
 
 from rlfactory.config.schema import RunConfig
 from rlfactory.errors import UserError
-from rlfactory.model.loader import _check_exists, apply_freeze, merge_adapter, resolve_dtype
+from rlfactory.model.loader import apply_freeze, check_model_exists, merge_adapter, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ def load_reward_model_for_training(cfg: RunConfig, pad_token_id: int) -> Any:
     from transformers import AutoModelForSequenceClassification
 
     path = str(cfg.model.name_or_path)
-    _check_exists(path)
+    check_model_exists(path)
     try:
         model = AutoModelForSequenceClassification.from_pretrained(
             path,
@@ -94,7 +94,7 @@ def load_reward_model(path: str | Path, device: str | torch.device | None = None
     """(model, tokenizer) of a reward model saved by stage rm, in eval mode on ``device``."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    _check_exists(str(path))
+    check_model_exists(str(path))
     try:
         model = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=resolve_dtype(dtype))
         tokenizer = AutoTokenizer.from_pretrained(str(path))

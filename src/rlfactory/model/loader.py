@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlfactory.config.schema import FreezeConfig, LoraConfig, ModelConfig, TrainConfig
-from rlfactory.errors import UserError
+from rlfactory.errors import UserError, first_line, read_text
 
 if TYPE_CHECKING:
     from rlfactory.algos.common import HeadKernels
@@ -15,25 +16,98 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _check_exists(path: str) -> None:
-    """A path must be a model directory; a hub id must be cached when offline (HF_HUB_OFFLINE=1)."""
+# what transformers raises for a model folder it cannot read (a bad config.json, tokenizer file or weights file)
+LOAD_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, KeyError, TypeError)
+
+
+def is_hub_id(path: str) -> bool:
+    """``org/name`` or ``name``, not a path (``./x``, ``/x``, ``~/x``, ``a/b/c``)."""
+    return not path.startswith((".", "/", "~")) and path.count("/") <= 1
+
+
+def check_model_exists(path: str, what: str = "model.name_or_path", weights: bool = True) -> None:
+    """A path must be a model directory (with a readable config and complete weights, unless ``weights`` is False:
+    a tokenizer may come from an adapter folder); a hub id must be cached when offline (HF_HUB_OFFLINE=1)."""
     import os
 
     if Path(path).expanduser().is_dir():
+        if weights:
+            check_model_dir(path, what)
+        else:
+            _check_not_empty(Path(path).expanduser(), what)
         return
-    is_hub_id = not path.startswith((".", "/", "~")) and path.count("/") <= 1
-    if is_hub_id and os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false"):
+    if Path(path).expanduser().exists():
+        raise UserError(f"{what}: '{path}' is a file, not a model directory; give the folder holding config.json")
+    hub_id = is_hub_id(path)
+    if hub_id and os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false"):
         return  # may be downloaded
-    if is_hub_id:
+    if hub_id:
         from huggingface_hub import try_to_load_from_cache
 
         if isinstance(try_to_load_from_cache(path, "config.json"), str):
             return
     raise UserError(
-        f"model path '{path}' does not exist (not a local directory"
-        + (" and not in the local Hugging Face cache" if is_hub_id else "")
-        + "); set model.name_or_path to a model directory or a cached hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct)"
+        f"{what}: model path '{path}' does not exist (not a local directory"
+        + (" and not in the local Hugging Face cache" if hub_id else "")
+        + f"); set {what} to a model directory or a cached hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct)"
     )
+
+
+def check_model_dir(path: str, what: str = "model.name_or_path") -> None:
+    """A local model folder: not empty, a config.json transformers can read, and weights that are all there (an
+    interrupted download or copy leaves a truncated safetensors file, which would fail deep inside loading)."""
+    from transformers import AutoConfig
+
+    folder = Path(path).expanduser()
+    _check_not_empty(folder, what)
+    if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
+        check_adapter(str(folder))  # an adapter folder: transformers loads its base model and attaches it
+        return
+    if not (folder / "config.json").is_file():
+        raise UserError(f"{what}: '{path}' has no config.json; it is not a Hugging Face model directory")
+    try:
+        AutoConfig.from_pretrained(str(folder))
+    except LOAD_ERRORS as exc:
+        raise UserError(f"{what}: cannot read {folder / 'config.json'}: {first_line(exc)}") from None
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights and not any(folder.glob("pytorch_model*.bin")):
+        raise UserError(f"{what}: '{path}' has no weights (no *.safetensors or pytorch_model*.bin files)")
+    for file in weights:
+        check_safetensors(file)
+
+
+def _check_not_empty(folder: Path, what: str) -> None:
+    if not any(folder.iterdir()):
+        raise UserError(
+            f"{what}: '{folder}' is an empty directory; a model folder holds config.json, the tokenizer files and "
+            "the weights (*.safetensors)"
+        )
+
+
+def check_safetensors(file: Path) -> None:
+    """The file's header parses and its tensors end exactly at the end of the file (reads the header only)."""
+    import json
+
+    size = file.stat().st_size
+    problem = None
+    with open(file, "rb") as handle:
+        head = handle.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if length < 2 or 8 + length > size:
+            problem = (
+                f"its header claims {length} bytes, the file has {size}" if length >= 0 else "shorter than 8 bytes"
+            )
+        else:
+            try:
+                header = json.loads(handle.read(length))
+                ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+            except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+                problem = "its header is not valid safetensors JSON"
+            else:
+                if 8 + length + max(ends, default=0) != size:
+                    problem = f"the tensors need {8 + length + max(ends, default=0)} bytes, the file has {size}"
+    if problem:
+        raise UserError(f"{file}: truncated or corrupt safetensors file ({problem}); download or save the model again")
 
 
 def load_tokenizer(cfg: ModelConfig, padding_side: str = "right") -> Any:
@@ -41,12 +115,12 @@ def load_tokenizer(cfg: ModelConfig, padding_side: str = "right") -> Any:
     from transformers import AutoTokenizer
 
     path = str(cfg.name_or_path)
-    _check_exists(path)
+    check_model_exists(path, weights=False)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
-    except OSError as exc:
+    except LOAD_ERRORS as exc:  # e.g. no tokenizer files: "Couldn't instantiate the backend tokenizer"
         raise UserError(
-            f"cannot load a tokenizer from '{path}': {str(exc).splitlines()[0]} "
+            f"cannot load a tokenizer from '{path}': {first_line(exc)} "
             "(offline: the model must be a local directory or already in the Hugging Face cache)"
         ) from None
     if cfg.template is not None:
@@ -97,7 +171,7 @@ def load_model(
     from transformers import AutoModelForCausalLM
 
     path = str(cfg.name_or_path)
-    _check_exists(path)
+    check_model_paths(cfg)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path,
@@ -105,8 +179,8 @@ def load_model(
             attn_implementation=cfg.attn_implementation,
             trust_remote_code=cfg.trust_remote_code,
         )
-    except (OSError, ValueError) as exc:
-        raise UserError(f"cannot load model '{path}': {str(exc).splitlines()[0]}") from None
+    except LOAD_ERRORS as exc:
+        raise UserError(f"cannot load model '{path}': {first_line(exc)}") from None
     for adapter in cfg.adapter_paths:
         model = merge_adapter(model, adapter)
     if trainable:
@@ -183,11 +257,31 @@ def maybe_apply_liger(model: Any, enabled: bool | None, finetuning: str = "full"
     return True
 
 
+def check_model_paths(cfg: ModelConfig) -> None:
+    """The model folder and every adapter folder, before anything loads (``config check`` and every stage)."""
+    check_model_exists(str(cfg.name_or_path))
+    for adapter in cfg.adapter_paths:
+        check_adapter(adapter)
+
+
+def check_adapter(adapter: str) -> None:
+    if not Path(adapter, "adapter_config.json").is_file():
+        where = "does not exist" if not Path(adapter).exists() else "is not a LoRA adapter directory"
+        raise UserError(f"model.adapter_paths: '{adapter}' {where} (no adapter_config.json)")
+    try:
+        config = json.loads(read_text(Path(adapter, "adapter_config.json"), "model.adapter_paths:"))
+    except ValueError as exc:
+        raise UserError(f"model.adapter_paths: {adapter}/adapter_config.json is not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"model.adapter_paths: {adapter}/adapter_config.json must hold a JSON object")
+    for file in Path(adapter).glob("*.safetensors"):
+        check_safetensors(file)
+
+
 def merge_adapter(model: Any, adapter: str) -> Any:
     from peft import PeftModel
 
-    if not Path(adapter, "adapter_config.json").is_file():
-        raise UserError(f"model.adapter_paths: '{adapter}' is not a LoRA adapter directory (no adapter_config.json)")
+    check_adapter(adapter)
     return PeftModel.from_pretrained(model, adapter).merge_and_unload()
 
 

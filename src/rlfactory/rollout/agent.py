@@ -234,7 +234,10 @@ def prepare_tool_examples(cfg: RunConfig, examples: list[dict[str, Any]]) -> dic
         if not example.get("tools") and schemas:
             example["tools"] = schemas
     if cfg.agent is not None:
+        from rlfactory.envs.factory import env_class
+
         TOOL_PARSERS.get(cfg.agent.parser)
+        env_class(cfg.agent.env or "tools")
     return tools
 
 

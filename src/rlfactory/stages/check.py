@@ -6,7 +6,9 @@ all of which sit above the schema (config imports nothing of the package but err
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rlfactory.config.schema import PipelineConfig, RunConfig
 
@@ -45,37 +47,112 @@ def check_template(tokenizer: object, examples: list[dict]) -> str:
 
 
 def check_run(run: RunConfig) -> list[str]:
-    """Datasets (rows converted and validated), model path and chat template. Raises UserError."""
-    from rlfactory.data.loader import load_examples
+    """Everything ``train`` checks before its first step: the DeepSpeed file, the resume target and output_dir,
+    datasets (rows converted and validated), the stage's own rules (names, user code), the model folder (config,
+    weights, adapters), its tokenizer and chat template, and the data rendered as the stage renders it. Raises
+    UserError. What this machine lacks (a GPU, a package) is a warning line: the file may be for another machine."""
+    from rlfactory.engine import run_dir
+    from rlfactory.engine.shared import check_deepspeed_file, environment_problems
 
-    notes = []
+    label = f"[{run.name or run.stage}]"
+    check_deepspeed_file(run)
+    notes = [f"{label} warning: {warning}" for warning in run.unused_sections()]
+    notes += [f"{label} warning: on this machine, {problem}" for problem in environment_problems(run)]
+    resume_from = run_dir.resolve_resume(run.output_dir, run.resume_from_checkpoint)
+    run_dir.check_output_dir(run.output_dir, run.overwrite_output_dir, resume_from)
     train, kind = _load(run, run.data.dataset, run.data.max_samples)
-    notes.append(f"[{run.name or run.stage}] data: {len(train)} {kind} examples from {', '.join(run.data.dataset)}")
+    notes.append(f"{label} data: {len(train)} {kind} examples from {', '.join(run.data.dataset)}")
     if run.data.eval_dataset:
         held, _ = _load(run, run.data.eval_dataset, None)
-        notes.append(f"[{run.name or run.stage}] eval data: {len(held)} examples")
-    if run.evaluation.dataset:
-        load_examples([run.evaluation.dataset], "prompt", run.data.dataset_dir, 1, run.data.max_bad_rows)
+        notes.append(f"{label} eval data: {len(held)} examples")
+    if run.evaluation.dataset and run.rollout is None:  # ppo/grpo check theirs in the stage's own check
+        from rlfactory.stages.common import load_eval_prompts
+
+        load_eval_prompts(run)
     from rlfactory.stages import get_stage
 
     stage_check = getattr(get_stage(run.stage), "check", None)  # the stage's own rules (names, columns, files)
     if stage_check is not None:
         notes += list(stage_check(run) or [])
-    if run.model.from_stage is None and run.model.name_or_path and Path(run.model.name_or_path).is_dir():
+    notes.append(_check_model(run, label))
+    if Path(str(run.model.name_or_path)).expanduser().is_dir() and run.model.from_stage is None:
         from rlfactory.model.loader import load_tokenizer
 
         tokenizer = load_tokenizer(run.model)
-        notes.append(f"[{run.name or run.stage}] model: {run.model.name_or_path} (tokenizer loads)")
-        notes.append(f"[{run.name or run.stage}] chat template: {check_template(tokenizer, train)}")
+        notes.append(f"{label} chat template: {check_template(tokenizer, train)}")
         fit_counts = getattr(get_stage(run.stage), "fit_counts", None)  # what the length limit does to the rows
         if fit_counts is not None:
-            notes.append(f"[{run.name or run.stage}] data {fit_counts(run, tokenizer, train).summary()}")
-    else:
-        notes.append(
-            f"[{run.name or run.stage}] model: {run.model.name_or_path or 'from stage ' + str(run.model.from_stage)}"
-            " (not a local directory: checked when the run starts)"
-        )
+            notes.append(f"{label} data {fit_counts(run, tokenizer, train).summary()}")
+        render = RENDERERS.get(run.stage)  # the stage's own rendering: what train would refuse before step 1
+        if render is not None:
+            kept = render(run, tokenizer)
+            notes.append(f"{label} rendered: {kept} training examples fit (data.cutoff_len / rollout.max_prompt_len)")
     return notes
+
+
+# What each stage renders before its first step, from the same functions: a cutoff nothing fits, a chat template
+# that rewrites history, KTO data with one label only fail here as they would in train.
+def _render_sft(run: RunConfig, tokenizer: Any) -> int:
+    from rlfactory.stages.sft import render_examples
+
+    examples, _ = _load(run, run.data.dataset, run.data.max_samples)
+    return len(render_examples(run, tokenizer, examples))
+
+
+def _render_pairs(run: RunConfig, tokenizer: Any) -> int:
+    from rlfactory.stages.preference_data import load_train_eval, render_pairs
+
+    train, held = load_train_eval(run, "pairwise")
+    if held:
+        render_pairs(run, tokenizer, held)
+    return len(render_pairs(run, tokenizer, train))
+
+
+def _render_unpaired(run: RunConfig, tokenizer: Any) -> int:
+    from rlfactory.stages.kto import check_labels, load_kto_examples, render_unpaired
+
+    assert run.kto is not None
+    examples = load_kto_examples(run, run.data.dataset)
+    check_labels(examples, run.data.dataset, run.kto)
+    return len(render_unpaired(run, tokenizer, examples))
+
+
+def _render_prompts(run: RunConfig, tokenizer: Any) -> int:
+    from rlfactory.stages.rl import load_prompt_sets, render_prompts
+
+    train, evals, _ = load_prompt_sets(run)
+    if evals:
+        render_prompts(run, tokenizer, evals)
+    return len(render_prompts(run, tokenizer, train))
+
+
+RENDERERS: dict[str, Callable[[RunConfig, Any], int]] = {
+    "sft": _render_sft,
+    "rm": _render_pairs,
+    "dpo": _render_pairs,
+    "orpo": _render_pairs,
+    "kto": _render_unpaired,
+    "ppo": _render_prompts,
+    "grpo": _render_prompts,
+}
+
+
+def _check_model(run: RunConfig, label: str) -> str:
+    """The model folder and adapters (from a pipeline's earlier stage: known when that stage has run)."""
+    if run.model.from_stage is not None:
+        return f"{label} model: from stage {run.model.from_stage} (checked when that stage has run)"
+    from rlfactory.errors import UserError
+    from rlfactory.model.loader import check_model_paths, is_hub_id
+
+    path = str(run.model.name_or_path)
+    if not is_hub_id(path) or Path(path).expanduser().exists():
+        check_model_paths(run.model)
+        return f"{label} model: {path} (config and weights OK)"
+    try:  # a hub id: whether it can be had is a matter of this machine (its cache, its network)
+        check_model_paths(run.model)
+    except UserError as exc:
+        return f"{label} warning: on this machine, {exc}"
+    return f"{label} model: {path} (a hub id: downloaded or read from the cache when the run starts)"
 
 
 def check_config(config: RunConfig | PipelineConfig) -> list[str]:

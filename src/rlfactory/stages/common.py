@@ -19,7 +19,8 @@ from typing import Any
 from rlfactory.config.loader import dump_config
 from rlfactory.config.schema import EvaluationConfig, RunConfig
 from rlfactory.engine import run_dir
-from rlfactory.engine.shared import check_strategy, process_state
+from rlfactory.engine.shared import check_deepspeed_file, check_strategy, environment_problems, process_state
+from rlfactory.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,11 @@ def preflight(cfg: RunConfig) -> Path | None:
     """Checks that need no model: resume target and output dir. Returns the checkpoint to resume."""
     from transformers import set_seed
 
+    check_deepspeed_file(cfg)
+    for warning in cfg.unused_sections():
+        log.warning("%s", warning)
+    for problem in environment_problems(cfg):  # `config check` warns about these; train cannot go on
+        raise UserError(problem)
     check_strategy(cfg)
     resume_from = run_dir.resolve_resume(cfg.output_dir, cfg.resume_from_checkpoint)
     run_dir.check_output_dir(cfg.output_dir, cfg.overwrite_output_dir, resume_from)
@@ -67,7 +73,21 @@ def load_eval_prompts(cfg: RunConfig) -> list[dict[str, Any]]:
     if ev.dataset is None:
         return []
     REWARD_FUNCTIONS.get(ev.metric)  # unknown metric: clear error before any model loads
-    return load_examples([ev.dataset], "prompt", cfg.data.dataset_dir, ev.max_samples, cfg.data.max_bad_rows)
+    prompts = load_examples([ev.dataset], "prompt", cfg.data.dataset_dir, ev.max_samples, cfg.data.max_bad_rows)
+    needs = [f"evaluation.metric {ev.metric}"] if REWARD_FUNCTIONS.traits(ev.metric).get("needs_answer") else []
+    check_columns(prompts, needs, ev.dataset)  # without answers every prompt would score 0
+    return prompts
+
+
+def check_columns(examples: list[dict[str, Any]], needs_answer: list[str], dataset: str) -> None:
+    """Every example must carry the ground truth a reward (or metric) reads."""
+    missing = [ex for ex in examples if ex.get("answer") is None]
+    if needs_answer and missing:
+        raise UserError(
+            f"{', '.join(needs_answer)} needs a reference answer, but {len(missing)} of {len(examples)} examples of "
+            f"'{dataset}' have none (first: {missing[0].get('source')}); map the answer column with "
+            "columns: {answer: <column>} in dataset_info.yaml, or choose a reward that needs no answer"
+        )
 
 
 def evaluate_generation(model: Any, tokenizer: Any, prompts: list[dict[str, Any]], ev: EvaluationConfig) -> dict:

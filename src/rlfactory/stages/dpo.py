@@ -40,6 +40,18 @@ def dpo_loss_types() -> list[str]:
     return [n for n in PREFERENCE_LOSSES.names() if not PREFERENCE_LOSSES.traits(n).get("own_stage")]
 
 
+def check(cfg: RunConfig) -> list[str]:
+    """What dpo adds to the shared checks (``config check`` and the start of ``run``): the loss name and the path of a
+    separate reference model."""
+    from rlfactory.model.loader import check_model_exists
+
+    assert cfg.dpo is not None
+    check_loss_type(cfg.dpo.loss_type)
+    if cfg.dpo.ref_model:
+        check_model_exists(cfg.dpo.ref_model, "dpo.ref_model")
+    return []
+
+
 def check_loss_type(name: str) -> tuple[Callable[..., Any], dict[str, Any]]:
     """The registered loss and its traits; a clear error for unknown names and other stages' objectives."""
     valid = dpo_loss_types()
@@ -180,6 +192,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
     assert cfg.dpo is not None
     loss, traits = check_loss_type(cfg.dpo.loss_type)
+    check(cfg)
     resume_from = common.preflight(cfg)
     tokenizer = load_tokenizer(cfg.model)
 

@@ -228,10 +228,6 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     from rlfactory.model.loader import head_kernels, load_model, load_tokenizer
 
     assert cfg.kto is not None
-    if cfg.train.per_device_batch_size < 2:
-        raise UserError(
-            "kto estimates its KL reference point within a micro-batch: set train.per_device_batch_size >= 2"
-        )
     resume_from = common.preflight(cfg)
     tokenizer = load_tokenizer(cfg.model)
 

@@ -35,6 +35,10 @@ def run_config(config: RunConfig | PipelineConfig) -> list[dict[str, Any]]:
     the stages that finished (their output_dir holds run_summary.json, written last) and resumes the first that
     did not."""
     runs = config.stages if isinstance(config, PipelineConfig) else [config]
+    if len(runs) > 1:  # a bad later stage fails now, not after the earlier stages have trained
+        from rlfactory.stages.check import check_config
+
+        check_config(config)
     done: dict[str, RunConfig] = {}
     summaries = []
     for index, run in enumerate(runs):

@@ -67,17 +67,6 @@ def check_algorithm(cfg: RunConfig) -> dict[str, Any]:
     return traits
 
 
-def check_columns(examples: list[dict[str, Any]], needs_answer: list[str], dataset: str) -> None:
-    """Every example must carry the ground truth a reward (or metric) reads."""
-    missing = [ex for ex in examples if ex.get("answer") is None]
-    if needs_answer and missing:
-        raise UserError(
-            f"{', '.join(needs_answer)} needs a reference answer, but {len(missing)} of {len(examples)} examples of "
-            f"'{dataset}' have none (first: {missing[0].get('source')}); map the answer column with "
-            "columns: {answer: <column>} in dataset_info.yaml, or choose a reward that needs no answer"
-        )
-
-
 def check_trl_columns(examples: list[dict[str, Any]], components: list, dataset: str) -> None:
     """Every column a TRL-style reward takes as a required argument (``fn(completions, solution, **kwargs)``) must
     be in every row: TRL would fail at the first batch, we fail before any model loads."""
@@ -126,10 +115,14 @@ def load_prompt_sets(cfg: RunConfig) -> tuple[list[dict], list[dict], list[Any]]
     ):
         if path and not Path(path).is_dir():
             raise UserError(f"{what}: '{path}' is not a directory")
+        if path:  # config, weights: an empty or half-copied folder fails here, not after the policy has loaded
+            from rlfactory.model.loader import check_model_dir
+
+            check_model_dir(path, what)
     data, ev = cfg.data, cfg.evaluation
     answer_users = [c.name for c in components if c.needs_answer]
     train = load_examples(data.dataset, "prompt", data.dataset_dir, data.max_samples, data.max_bad_rows)
-    check_columns(train, answer_users, ", ".join(data.dataset))
+    common.check_columns(train, answer_users, ", ".join(data.dataset))
     check_trl_columns(train, components, ", ".join(data.dataset))
     evals: list[dict] = []
     if ev.dataset:
@@ -137,7 +130,7 @@ def load_prompt_sets(cfg: RunConfig) -> tuple[list[dict], list[dict], list[Any]]
             [f"evaluation.metric {ev.metric}"] if REWARD_FUNCTIONS.traits(ev.metric).get("needs_answer") else []
         )
         evals = load_examples([ev.dataset], "prompt", data.dataset_dir, ev.max_samples, data.max_bad_rows)
-        check_columns(evals, answer_users + metric_needs, ev.dataset)
+        common.check_columns(evals, answer_users + metric_needs, ev.dataset)
         check_trl_columns(evals, components, ev.dataset)
     if agent_enabled(cfg):  # tools load and rows are checked here, before any model
         prepare_tool_examples(cfg, train + evals)

@@ -139,19 +139,25 @@ def start(raw: dict[str, Any], yaml_text: str) -> RunConfig:
     """Validate, prepare the output dir and launch the run; returns its config. Raises UserError."""
     from rlfactory.engine import run_dir
 
+    out = raw.get("output_dir")
+    if isinstance(out, str) and out.strip() and is_busy(Path(out).expanduser()):
+        raise _busy_error(out)  # said first: validate would call the folder "another run"
     config = validate(raw)
     key = Path(config.output_dir).resolve()
     with _LOCK:
         if _busy(key):
-            raise UserError(
-                f"output_dir '{config.output_dir}' is busy: a run is still going on there; "
-                "stop it first or choose another output_dir"
-            )
+            raise _busy_error(config.output_dir)
         resume_from = run_dir.resolve_resume(config.output_dir, config.resume_from_checkpoint)
         run_dir.check_output_dir(config.output_dir, config.overwrite_output_dir, resume_from)
         run_dir.prepare_output_dir(config.output_dir, config.overwrite_output_dir, resume_from)
         _ACTIVE[key] = _launch(key, yaml_text)
     return config
+
+
+def _busy_error(output_dir: str) -> UserError:
+    return UserError(
+        f"output_dir '{output_dir}' is busy: a run is still going on there; stop it first or choose another output_dir"
+    )
 
 
 def _launch(out: Path, yaml_text: str) -> _Active:
