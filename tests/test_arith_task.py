@@ -85,6 +85,8 @@ def _arithmetic_ok(solution: str) -> bool:
 
 
 def _load(path: Path) -> list[dict]:
+    if path.suffix == ".txt":  # the pt corpus: one document per line
+        return [{"text": line} for line in path.read_text().splitlines()]
     if path.suffix == ".json":
         return json.loads(path.read_text())
     return [json.loads(line) for line in path.read_text().splitlines()]
@@ -95,6 +97,8 @@ def _questions(path: Path) -> set[str]:
     for row in _load(path):
         if "messages" in row:
             qs.update(m["content"] for m in row["messages"] if m["role"] == "user")
+        elif "text" in row:
+            qs.add(row["text"])
         elif "conversations" in row:
             qs.update(t["value"] for t in row["conversations"] if t["from"] == "human")
         else:
@@ -112,6 +116,9 @@ def test_dataset_info_and_files() -> None:
         assert path.is_file(), name
         total += path.stat().st_size
         rows = _load(path)
+        if path.suffix == ".txt":  # the pt corpus: plain text, no columns
+            assert len(rows) >= 50 and all(row["text"].strip() for row in rows), name
+            continue
         assert len(rows) >= 200, name
         assert spec["formatting"] in ("openai", "alpaca", "sharegpt")
         for row in rows[:50]:

@@ -56,6 +56,7 @@ def test_pt_trains_on_a_txt_corpus_and_the_loss_falls(tmp_path: Path):
 
 def test_pt_refuses_conversations(tmp_path: Path):
     cfg = _pt_config(tmp_path, dataset="arith_sft", eval_dataset=[])
+    cfg["train"]["eval_steps"] = None  # nothing to evaluate on (an error of its own otherwise)
     expect_train_error(tmp_path, cfg, "stage pt", "needs a `text` column")
 
 

@@ -10,6 +10,7 @@ found as for a user's model."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,8 @@ def save_model_tokenizer(name: str, folder: Path) -> Path:
     tok.eos_token = eos
     tok.chat_template = template_text(name)
     tok.save_pretrained(folder)
+    for name in ("config.json", "model.safetensors"):  # a whole model folder: `config check` loads one
+        shutil.copy(TINY_MODEL / name, folder / name)
     return folder
 
 

@@ -156,5 +156,13 @@ def _check_model(run: RunConfig, label: str) -> str:
 
 
 def check_config(config: RunConfig | PipelineConfig) -> list[str]:
+    from rlfactory.engine import run_dir
+
     runs = config.stages if isinstance(config, PipelineConfig) else [config]
-    return [line for run in runs for line in check_run(run)]
+    notes = []
+    for run in runs:
+        if run_dir.skips_finished(run.output_dir, run.resume_from_checkpoint, len(runs) > 1) is not None:
+            notes.append(f"[{run.name or run.stage}] finished already in {run.output_dir}: skipped (resume)")
+            continue
+        notes += check_run(run)
+    return notes

@@ -63,7 +63,7 @@ def render_examples(
     if split:
         log.info(
             "the chat template rewrites earlier turns: %d conversation(s) trained as one sequence per rewritten "
-            "turn (%d sequences in all; the counts below are sequences)",
+            "turn (%d sequences in all)",
             split,
             sequences,
         )
