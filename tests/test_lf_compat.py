@@ -138,7 +138,8 @@ def test_alpaca_defaults_and_input_appended(lf_data: Path):
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": IDENTITY[0]["output"]},
     ]
-    assert [e["source"] for e in examples] == [f"alpaca_en_demo:{i}" for i in (1, 2, 3, 4)] + ["identity:1", "identity:2"]
+    sources = [f"alpaca_en_demo:{i}" for i in (1, 2, 3, 4)] + ["identity:1", "identity:2"]
+    assert [e["source"] for e in examples] == sources
 
 
 def test_glaive_tool_calls_and_tools_column(lf_data: Path):
@@ -345,7 +346,8 @@ def test_convert_writes_our_yaml(tmp_path: Path, lf_data: Path):
 
 
 def _train(tmp_path: Path, name: str, raw: dict, *overrides: str) -> None:
-    result = run_cli("train", str(write(tmp_path / f"{name}.yaml", raw)), f"model_name_or_path={TINY_MODEL}", *overrides)
+    path = write(tmp_path / f"{name}.yaml", raw)
+    result = run_cli("train", str(path), f"model_name_or_path={TINY_MODEL}", *overrides)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "a LLaMA-Factory file" in result.stderr
     log = [json.loads(line) for line in (Path(raw["output_dir"]) / "trainer_log.jsonl").read_text().splitlines()]
@@ -379,3 +381,19 @@ def test_llamafactory_reward_then_ppo(tmp_path: Path, lf_data: Path):
 
 def test_bundled_registry_is_unchanged():
     assert len(load_examples(["arith_sft_alpaca"], "sft", str(DATA_DIR), max_samples=3)) == 3
+
+
+def test_migrating_doc_has_the_current_key_table():
+    from tests.conftest import ROOT
+
+    assert llamafactory.markdown_table() in (ROOT / "docs" / "MIGRATING.md").read_text(), (
+        "regenerate the table of docs/MIGRATING.md from rlfactory.config.llamafactory.markdown_table()"
+    )
+
+
+def test_config_check_reads_a_llamafactory_file(tmp_path: Path, lf_data: Path):
+    raw = lf_yaml("dpo", "dpo_en_demo", tmp_path / "out", dataset_dir=str(lf_data), pref_loss="sigmoid")
+    result = run_cli("config", "check", str(write(tmp_path / "dpo.yaml", raw)), f"model_name_or_path={TINY_MODEL}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "a LLaMA-Factory file" in result.stderr and "pref_loss -> dpo.loss_type" in result.stderr
+    assert "6 pairwise examples from dpo_en_demo" in result.stdout

@@ -79,6 +79,12 @@ def to(dotted: str, transform: Callable[[Any], Any] = lambda v: v) -> Rule:
     return rule
 
 
+def _documented(rule: Rule, text: str) -> Rule:
+    """The same rule with its own line in docs/MIGRATING.md (for mappings that transform the value)."""
+    rule.__doc__ = text
+    return rule
+
+
 def mapped_target(key: str) -> str | None:
     """Our key for a LLaMA-Factory key that maps one-to-one (for "did you mean" in our own files)."""
     return getattr(KEY_RULES.get(key), "target", None)
@@ -113,7 +119,7 @@ def off_only(alternative: str, default: Any = False) -> Rule:
         else:
             conv.refused.append(f"{key}: {alternative}")
 
-    rule.__doc__ = f"only its default ({default!r}); otherwise refused: {alternative}"
+    rule.__doc__ = f"only its default ({json.dumps(default)}); otherwise refused: {alternative}"
     return rule
 
 
@@ -127,7 +133,7 @@ def choice(dotted: str, values: dict[Any, Any], alternative: str) -> Rule:
         conv.set(dotted, values[value], key)
         conv.mapped.append(f"{key} -> {dotted}")
 
-    shown = ", ".join(f"{k} -> {v}" for k, v in values.items())
+    shown = ", ".join(f"{k if isinstance(k, str) else json.dumps(k)} -> {v}" for k, v in values.items())
     rule.__doc__ = f"-> `{dotted}` ({shown}); other values refused"
     return rule
 
@@ -324,7 +330,10 @@ KEY_RULES: dict[str, Rule] = {
         "auto, sdpa, disabled, fa2",
     ),
     "enable_liger_kernel": choice("model.liger_kernel", {True: "on", False: "off"}, "true or false"),
-    "disable_gradient_checkpointing": to("model.gradient_checkpointing", lambda v: not v),
+    "disable_gradient_checkpointing": _documented(
+        to("model.gradient_checkpointing", lambda v: not v),
+        "-> `model.gradient_checkpointing` (negated; on unless set)",
+    ),
     "gradient_checkpointing": to("model.gradient_checkpointing"),
     "pure_bf16": choice("model.dtype", {True: "bfloat16", False: "auto"}, "true or false"),
     "template": ignored(
@@ -361,7 +370,10 @@ KEY_RULES: dict[str, Rule] = {
     "lora_rank": to("lora.r"),
     "lora_alpha": to("lora.alpha"),
     "lora_dropout": to("lora.dropout"),
-    "lora_target": to("lora.target_modules", lambda v: "all-linear" if v == "all" else _split(v)),
+    "lora_target": _documented(
+        to("lora.target_modules", lambda v: "all-linear" if v == "all" else _split(v)),
+        "-> `lora.target_modules` (`all` -> all-linear; a comma list -> a list)",
+    ),
     "additional_target": to("lora.modules_to_save", _split),
     "freeze_trainable_layers": _freeze_layers,
     "freeze_trainable_modules": off_only(
@@ -424,7 +436,7 @@ KEY_RULES: dict[str, Rule] = {
     "neat_packing": to("data.packing"),
     "train_on_prompt": choice("data.train_on", {True: "all", False: "assistant"}, "true or false"),
     "mask_history": choice("data.train_on", {True: "last_assistant", False: "assistant"}, "true or false"),
-    "disable_shuffling": to("data.shuffle", lambda v: not v),
+    "disable_shuffling": _documented(to("data.shuffle", lambda v: not v), "-> `data.shuffle` (negated)"),
     "streaming": off_only("streaming is not supported; the rows are read at start"),
     "buffer_size": ignored("streaming only"),
     "mix_strategy": off_only("datasets are concatenated; interleaving is not supported", default="concat"),
@@ -468,7 +480,7 @@ KEY_RULES: dict[str, Rule] = {
     "weight_decay": to("train.weight_decay"),
     "adam_beta1": to("train.adam_beta1"),
     "adam_beta2": to("train.adam_beta2"),
-    "max_grad_norm": to("train.max_grad_norm", lambda v: v or None),
+    "max_grad_norm": _documented(to("train.max_grad_norm", lambda v: v or None), "-> `train.max_grad_norm` (0: null)"),
     "bf16": _precision,
     "fp16": _precision,
     "seed": to("seed"),
@@ -596,3 +608,10 @@ def explain_error(message: str, conv: Conversion) -> str:
     """Name the LLaMA-Factory key behind each of our keys that a validation error mentions."""
     behind = [f"{ours} <- {lf}" for ours, lf in conv.sources.items() if f"'{ours}'" in message or f"{ours}:" in message]
     return message + (f"\n(converted from LLaMA-Factory keys: {', '.join(behind)})" if behind else "")
+
+
+def markdown_table() -> str:
+    """The key table of docs/MIGRATING.md (a test keeps the two in sync)."""
+    rows = ["| LLaMA-Factory key | rlfactory |", "|---|---|"]
+    rows += [f"| `{key}` | {text.replace('|', '/')} |" for key, text in rule_docs()]
+    return "\n".join(rows) + "\n"
