@@ -48,11 +48,21 @@ GLAIVE = [
     },
     {
         "conversations": [
+            {"from": "system", "value": "You are a calculator assistant."},
             {"from": "human", "value": "Hi there"},
             {"from": "gpt", "value": "Hello! How can I help?"},
         ],
         "tools": json.dumps([CALC_TOOL]),
     },
+]
+HISTORY = [
+    {
+        "instruction": "And times 2?",
+        "input": "",
+        "output": "42 x 2 = 84. The answer is 84.",
+        "system": "Answer with a number.",
+        "history": [["What is 40 + 2?", "The answer is 42."]],
+    }
 ]
 DPO = [
     {
@@ -77,6 +87,11 @@ C4 = [{"text": "The answer is 42. Numbers add up."}, {"text": "Seven plus eight 
 DATASET_INFO = {
     "identity": {"file_name": "identity.json"},
     "alpaca_en_demo": {"file_name": "alpaca_en_demo.json"},
+    "alpaca_history": {
+        "file_name": "alpaca_history.json",
+        "columns": {"prompt": "instruction", "query": "input", "response": "output", "system": "system",
+                    "history": "history"},
+    },
     "glaive_toolcall_en_demo": {
         "file_name": "glaive_toolcall_en_demo.json",
         "formatting": "sharegpt",
@@ -115,6 +130,7 @@ def lf_data(tmp_path: Path) -> Path:
     files = {
         "identity.json": IDENTITY,
         "alpaca_en_demo.json": ALPACA,
+        "alpaca_history.json": HISTORY,
         "glaive_toolcall_en_demo.json": GLAIVE,
         "dpo_en_demo.json": DPO,
         "kto_en_demo.json": KTO,
@@ -154,7 +170,20 @@ def test_glaive_tool_calls_and_tools_column(lf_data: Path):
         {"role": "assistant", "content": "36 + 13 = 49. The answer is 49."},
     ]
     assert first["tools"] == [{"type": "function", "function": CALC_TOOL}]
-    assert second["tools"] == first["tools"] and len(second["messages"]) == 2
+    assert second["tools"] == first["tools"]
+    assert second["messages"][0] == {"role": "system", "content": "You are a calculator assistant."}  # system turn
+    assert [m["role"] for m in second["messages"]] == ["system", "user", "assistant"]
+
+
+def test_alpaca_system_and_history(lf_data: Path):
+    (example,) = load_examples(["alpaca_history"], "sft", str(lf_data))
+    assert example["messages"] == [
+        {"role": "system", "content": "Answer with a number."},
+        {"role": "user", "content": "What is 40 + 2?"},
+        {"role": "assistant", "content": "The answer is 42."},
+        {"role": "user", "content": "And times 2?"},
+        {"role": "assistant", "content": "42 x 2 = 84. The answer is 84."},
+    ]
 
 
 def test_dpo_kto_and_c4_layouts(lf_data: Path):

@@ -7,8 +7,9 @@ What differs from our ``dataset_info.yaml``: ``formatting`` is alpaca unless sta
 LLaMA-Factory, so a column the entry leaves out is still read when the rows have it (LLaMA-Factory would drop
 ``input`` when ``columns`` lists only prompt and response; rlfactory keeps it rather than lose it).
 
-An entry we cannot use becomes an ``UnusableEntry`` whose message names the entry and the fix; the rest of the
-file stays usable.
+An entry we cannot use gives a message naming the entry and the fix (the registry keeps it as an ``UnusableEntry``,
+raised only when a run names it); the rest of the file stays usable. Column and tag names are checked by the
+registry's own schema. Imports nothing of the registry, which calls this module.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rlfactory.data.registry import Columns, Tags, UnusableEntry
 from rlfactory.errors import did_you_mean
 
 MEDIA_COLUMNS = ("images", "videos", "audios")
@@ -46,33 +46,30 @@ def _source(name: str, entry: dict[str, Any], folder: Path) -> dict[str, Any] | 
     return f"dataset '{name}' needs file_name, hf_hub_url or script_url"
 
 
-def llamafactory_entry(name: str, entry: Any, path: Path) -> dict[str, Any] | UnusableEntry:
-    """One entry of LLaMA-Factory's dataset_info.json as one of ours (or why it cannot be used)."""
+def llamafactory_entry(name: str, entry: Any, path: Path) -> dict[str, Any] | str:
+    """One entry of LLaMA-Factory's dataset_info.json as one of ours, or the message why it cannot be used."""
     where = f"{path}: dataset '{name}'"
     if not isinstance(entry, dict):
-        return UnusableEntry(f"{where}: an entry must be a mapping (file_name, formatting, columns, ...)")
+        return f"{where}: an entry must be a mapping (file_name, formatting, columns, ...)"
     unknown = [key for key in entry if key not in _KNOWN]
     if unknown:
-        return UnusableEntry(f"{where}: unknown key '{unknown[0]}'{did_you_mean(unknown[0], _KNOWN)}")
+        return f"{where}: unknown key '{unknown[0]}'{did_you_mean(unknown[0], _KNOWN)}"
     source = _source(name, entry, path.parent)
     if isinstance(source, str):
-        return UnusableEntry(f"{path}: {source}")
+        return f"{path}: {source}"
     if entry.get("num_samples") is not None:
-        return UnusableEntry(
+        return (
             f"{where}: num_samples (LLaMA-Factory's random subsample) is not supported; remove it and use "
             "data.max_samples"
         )
+    for key in ("columns", "tags"):
+        if not isinstance(entry.get(key) or {}, dict):
+            return f"{where}: `{key}` must be a mapping"
     columns = dict(entry.get("columns") or {})
     media = {key: columns.pop(key) for key in MEDIA_COLUMNS if columns.get(key)}
     if media:
         shown = ", ".join(f"{key}: {value}" for key, value in media.items())
-        return UnusableEntry(
-            f"{where} has media columns ({shown}): rlfactory trains text-only models; use a text dataset"
-        )
-    for key, fields in (("columns", Columns.model_fields), ("tags", Tags.model_fields)):
-        bad = [k for k in (columns if key == "columns" else entry.get("tags") or {}) if k not in fields]
-        if bad:
-            return UnusableEntry(f"{where}: unknown {key} key '{bad[0]}'{did_you_mean(bad[0], fields)}")
+        return f"{where} has media columns ({shown}): rlfactory trains text-only models; use a text dataset"
     out: dict[str, Any] = {k: v for k, v in source.items() if v is not None}
     out["formatting"] = entry.get("formatting", "alpaca")
     out["ranking"] = bool(entry.get("ranking", False))

@@ -64,7 +64,9 @@ def _iter_rows(spec: DatasetSpec, folder: Path, name: str) -> tuple[str, Iterato
         return spec.hf_path, iter(ds)
     path = folder / str(spec.file_name)
     if not path.exists():
-        raise UserError(f"dataset '{name}': file '{path}' does not exist (file_name in {folder}/dataset_info.yaml)")
+        raise UserError(
+            f"dataset '{name}': file '{path}' does not exist (its file_name in {folder}/dataset_info.yaml or .json)"
+        )
     if path.is_dir():
         import datasets
 

@@ -101,8 +101,8 @@ def _validate(name: str, entry: Any, path: Path) -> DatasetSpec | UnusableEntry:
         from rlfactory.data.llamafactory import llamafactory_entry
 
         converted = llamafactory_entry(name, entry, path)
-        if isinstance(converted, UnusableEntry):
-            return converted
+        if isinstance(converted, str):
+            return UnusableEntry(converted)
         entry = converted
     try:
         spec = DatasetSpec.model_validate(entry)
