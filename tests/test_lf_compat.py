@@ -317,6 +317,7 @@ def test_ppo_batches_and_kl(tmp_path: Path):
     out = llamafactory.convert(raw).out
     assert out["rollout"]["prompts_per_step"] == 2 * 2 * 2 and out["algorithm"]["num_mini_batches"] == 2
     assert out["rollout"]["num_samples"] == 1 and out["rollout"]["max_response_len"] == 16
+    assert out["rollout"]["max_prompt_len"] == 256  # cutoff_len: LLaMA-Factory keeps prompts up to it
     assert "grad_accum_steps" not in out["train"] and out["reward"] == {"reward_model": "saves/rm"}
     assert out["algorithm"]["kl_controller"] == "adaptive" and out["algorithm"]["kl_in_reward_coef"] == 0.2
 
@@ -370,6 +371,7 @@ def test_convert_writes_our_yaml(tmp_path: Path, lf_data: Path):
     written = yaml.safe_load((tmp_path / "ours.yaml").read_text())
     assert written["stage"] == "kto" and written["kto"] == {"beta": 0.2}
     assert written["model"]["name_or_path"] == "meta-llama/Meta-Llama-3-8B-Instruct"
+    assert load_config(tmp_path / "ours.yaml") == load_config(src)  # the same run, in our schema
     again = run_cli("convert", str(src), "-o", str(tmp_path / "ours.yaml"))
     assert again.returncode == 2 and "exists" in again.stderr
 

@@ -564,10 +564,12 @@ def _ppo_batches(conv: Conversion, raw: dict[str, Any]) -> None:
     buffer = raw.get("ppo_buffer_size", 1)
     conv.set("rollout.prompts_per_step", batch * accum * buffer, "per_device_train_batch_size")
     conv.set("algorithm.num_mini_batches", buffer, "ppo_buffer_size")
+    conv.set("rollout.max_prompt_len", raw.get("cutoff_len", 2048), "cutoff_len")  # LLaMA-Factory keeps long prompts
     conv.out.setdefault("train", {}).pop("grad_accum_steps", None)
     conv.mapped.append(
         "per_device_train_batch_size x gradient_accumulation_steps x ppo_buffer_size -> rollout.prompts_per_step"
-        f" ({batch * accum * buffer}), ppo_buffer_size -> algorithm.num_mini_batches"
+        f" ({batch * accum * buffer}), ppo_buffer_size -> algorithm.num_mini_batches, cutoff_len -> "
+        "rollout.max_prompt_len"
     )
 
 
