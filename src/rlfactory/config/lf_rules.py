@@ -180,29 +180,22 @@ def precision_rule(conv: Conversion, key: str, value: Any, raw: dict[str, Any]) 
 precision_rule.__doc__ = "true -> `train.mixed_precision` bf16 / fp16 (neither: no mixed precision, as in transformers)"
 
 
-def eval_strategy_rule(conv: Conversion, key: str, value: Any, raw: dict[str, Any]) -> None:
-    if value == "steps":
-        conv.mapped.append(f"{key} steps -> evaluation every train.eval_steps")
-    elif value == "no":
-        conv.ignored.append(f"{key} (no: evaluation at the end only, when there is eval data)")
-    else:
-        conv.refused.append(f"{key}: {value!r} is not supported; use `eval_strategy: steps` with eval_steps")
+def strategy_rule(steps_key: str, our_key: str, when_no: str) -> Rule:
+    """transformers' eval_strategy / save_strategy: steps (every ``steps_key``) or no; epoch is refused."""
 
+    def rule(conv: Conversion, key: str, value: Any, raw: dict[str, Any]) -> None:
+        if value == "steps":
+            conv.mapped.append(f"{key} steps -> every {our_key}")
+        elif value == "no" and our_key == "train.save_steps":
+            conv.set(our_key, None, key)
+            conv.mapped.append(f"{key} no -> {our_key}: null")
+        elif value == "no":
+            conv.ignored.append(f"{key} (no: {when_no})")
+        else:
+            conv.refused.append(f"{key}: {value!r} is not supported; use `{key}: steps` with {steps_key}")
 
-eval_strategy_rule.__doc__ = "steps: evaluate every `eval_steps`; no: only at the end; epoch refused"
-
-
-def save_strategy_rule(conv: Conversion, key: str, value: Any, raw: dict[str, Any]) -> None:
-    if value == "steps":
-        conv.mapped.append("save_strategy steps -> checkpoints every train.save_steps")
-    elif value == "no":
-        conv.set("train.save_steps", None, key)
-        conv.mapped.append("save_strategy no -> train.save_steps: null")
-    else:
-        conv.refused.append(f"save_strategy: {value!r} is not supported; use `save_strategy: steps` with save_steps")
-
-
-save_strategy_rule.__doc__ = "steps: every `save_steps`; no: no checkpoints; epoch refused"
+    rule.__doc__ = f"steps: every `{steps_key}`; no: {when_no}; epoch refused"
+    return rule
 
 
 def val_size_rule(conv: Conversion, key: str, value: Any, raw: dict[str, Any]) -> None:

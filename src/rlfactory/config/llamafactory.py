@@ -34,6 +34,9 @@ def mapped_target(key: str) -> str | None:
 # ---------------------------------------------------------------------------------------------------- the table
 _NO_CACHE = "rlfactory reads and renders the rows in-process, no preprocessing cache or workers"
 _TEXT_ONLY = "rlfactory trains text-only models"
+_EVAL_STRATEGY = rules.strategy_rule(
+    "eval_steps", "train.eval_steps", "evaluation at the end only, when there is eval data"
+)
 
 KEY_RULES: dict[str, Rule] = {
     # model
@@ -176,7 +179,7 @@ KEY_RULES: dict[str, Rule] = {
     "report_to": rules.to("logging.report_to"),
     "logging_dir": rules.ignored("trackers write into output_dir"),
     "save_steps": rules.to("train.save_steps"),
-    "save_strategy": rules.save_strategy_rule,
+    "save_strategy": rules.strategy_rule("save_steps", "train.save_steps", "no checkpoints"),
     "save_total_limit": rules.to("train.save_total_limit"),
     "save_only_model": rules.ignored("checkpoints always hold the trainable weights and the optimizer state"),
     "resume_from_checkpoint": rules.to("resume_from_checkpoint"),
@@ -213,8 +216,8 @@ KEY_RULES: dict[str, Rule] = {
     "include_effective_tokens_per_second": rules.ignored("throughput is logged anyway"),
     "compute_accuracy": rules.ignored("the preference stages log pair accuracy; sft logs loss"),
     # eval
-    "eval_strategy": rules.eval_strategy_rule,
-    "evaluation_strategy": rules.eval_strategy_rule,
+    "eval_strategy": _EVAL_STRATEGY,
+    "evaluation_strategy": _EVAL_STRATEGY,
     "eval_steps": rules.eval_steps_rule,
     "per_device_eval_batch_size": rules.ignored("evaluation uses train.per_device_batch_size"),
 }
