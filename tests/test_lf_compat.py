@@ -428,3 +428,19 @@ def test_config_check_reads_a_llamafactory_file(tmp_path: Path, lf_data: Path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "a LLaMA-Factory file" in result.stderr and "pref_loss -> dpo.loss_type" in result.stderr
     assert "6 pairwise examples from dpo_en_demo" in result.stdout
+
+
+def test_webui_form_loads_a_llamafactory_file(tmp_path: Path):
+    """Load YAML in the WebUI converts a LLaMA-Factory file; the form gives back the same run as the CLI reads."""
+    from rlfactory.config.loader import validate_config
+    from rlfactory.webui import schema_form as sf
+
+    raw = lf_yaml("dpo", "dpo_en_demo", tmp_path / "out", pref_loss="simpo", simpo_gamma=0.3)
+    mapping, note = sf.form_mapping(raw)
+    assert "a LLaMA-Factory file" in note and "ddp_timeout" in note
+    sections = sf.form_sections()
+    values, unknown = sf.raw_to_form(sections, mapping)
+    assert unknown == []
+    path = write(tmp_path / "dpo.yaml", raw)
+    assert validate_config(sf.form_to_raw(sections, values), "form") == load_config(path)
+    assert sf.form_mapping({"stage": "sft"}) == ({"stage": "sft"}, "")

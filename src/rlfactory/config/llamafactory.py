@@ -232,7 +232,6 @@ def _lf_defaults(stage: str) -> dict[str, Any]:
         "train.lr_scheduler": "linear",
         "train.mixed_precision": "no",
         "train.save_steps": 500,
-        "train.save_total_limit": None,
         "logging.logging_steps": 500,
         "logging.plot_loss": False,
         "data.cutoff_len": 2048,
