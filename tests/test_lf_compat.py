@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tests.conftest import DATA_DIR, TINY_MODEL, run_cli
+from tests.conftest import DATA_DIR, TINY_MODEL, expect_train_error, run_cli
 
 from rlfactory.config import llamafactory
 from rlfactory.config.loader import load_config
@@ -444,3 +444,30 @@ def test_webui_form_loads_a_llamafactory_file(tmp_path: Path):
     path = write(tmp_path / "dpo.yaml", raw)
     assert validate_config(sf.form_to_raw(sections, values), "form") == load_config(path)
     assert sf.form_mapping({"stage": "sft"}) == ({"stage": "sft"}, "")
+
+
+def test_hub_and_script_entries_load_through_datasets(tmp_path: Path):
+    """hf_hub_url (with folder) and script_url go through `datasets.load_dataset`; a local repository stands in
+    for the hub here (offline), exercising the same call."""
+    repo = tmp_path / "repo"
+    (repo / "en").mkdir(parents=True)
+    (repo / "en" / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in ALPACA[:2]))
+    (tmp_path / "script_ds").mkdir()
+    (tmp_path / "script_ds" / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in ALPACA[2:]))
+    info = {"hub": {"hf_hub_url": str(repo), "folder": "en"}, "script": {"script_url": "script_ds"}}
+    (tmp_path / "dataset_info.json").write_text(json.dumps(info))
+    hub = load_examples(["hub"], "sft", str(tmp_path))
+    assert [e["messages"][0]["content"] for e in hub] == ["Add the numbers.\n12 + 30", "What is 7 + 8?"]
+    script = load_examples(["script"], "sft", str(tmp_path))
+    assert [e["messages"][0]["content"] for e in script] == ["Subtract.\n50 - 8", "Add.\n3 + 4"]
+
+
+def test_train_refuses_with_one_clear_message(tmp_path: Path, lf_data: Path):
+    raw = lf_yaml("sft", "identity", tmp_path / "out", dataset_dir=str(lf_data), quantization_bit=4, use_galore=True)
+    expect_train_error(
+        tmp_path,
+        raw | {"model_name_or_path": str(TINY_MODEL)},
+        "LLaMA-Factory keys that rlfactory cannot honour",
+        "quantization_bit: QLoRA is not supported yet",
+        "use_galore: GaLore is not supported",
+    )
