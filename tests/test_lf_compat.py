@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import pytest
@@ -381,8 +382,12 @@ def _train(tmp_path: Path, name: str, raw: dict, *overrides: str) -> None:
     result = run_cli("train", str(path), f"model_name_or_path={TINY_MODEL}", *overrides)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "a LLaMA-Factory file" in result.stderr
-    log = [json.loads(line) for line in (Path(raw["output_dir"]) / "trainer_log.jsonl").read_text().splitlines()]
-    assert any("loss" in entry for entry in log), log
+    out = Path(raw["output_dir"])
+    log = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
+    losses = [entry["loss"] for entry in log if "loss" in entry]
+    assert losses and all(math.isfinite(loss) for loss in losses), log
+    assert all(entry["grad_norm"] > 0 for entry in log if "grad_norm" in entry), log  # the adapter got gradients
+    assert (out / "adapter_config.json").is_file() or (out / "config.json").is_file()  # the final save
 
 
 @pytest.mark.slow
