@@ -313,6 +313,14 @@ def test_dpo_pref_loss_mapping(tmp_path: Path, extra: dict, expect: tuple):
     assert conv.out[stage] == section
 
 
+def test_switches_do_not_undo_each_other(tmp_path: Path):
+    out = llamafactory.convert(lf_yaml("sft", "identity", tmp_path, mask_history=True, train_on_prompt=False)).out
+    expected = {"dataset": ["identity"], "cutoff_len": 256, "max_samples": 1000, "train_on": "last_assistant"}
+    assert out["data"] == expected
+    out = llamafactory.convert(lf_yaml("sft", "identity", tmp_path, neat_packing=True, packing=False)).out
+    assert out["data"]["packing"] is True
+
+
 def test_ppo_batches_and_kl(tmp_path: Path):
     raw = lf_yaml("ppo", "identity", tmp_path / "out", reward_model="saves/rm", ppo_buffer_size=2, max_new_tokens=16)
     out = llamafactory.convert(raw).out

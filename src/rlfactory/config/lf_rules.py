@@ -103,6 +103,21 @@ def off_only(alternative: str, default: Any = False) -> Rule:
     return rule
 
 
+def when_true(dotted: str, value_if_true: Any) -> Rule:
+    """A switch that is off by default in both tools: true sets ``dotted``; false changes nothing (so that two switches
+    of one key, such as ``packing`` and ``neat_packing``, never undo each other by their order in the file)."""
+
+    def rule(conv: Conversion, key: str, value: Any, raw: dict[str, Any]) -> None:
+        if value:
+            conv.set(dotted, value_if_true, key)
+            conv.mapped.append(f"{key} -> {dotted}: {json.dumps(value_if_true)}")
+        else:
+            conv.ignored.append(f"{key} (false is the default)")
+
+    rule.__doc__ = f"true -> `{dotted}: {json.dumps(value_if_true)}`; false: the default"
+    return rule
+
+
 def choice(dotted: str, values: dict[Any, Any], alternative: str) -> Rule:
     """Mapped value by value; other values refused."""
 
