@@ -484,3 +484,29 @@ def test_train_refuses_with_one_clear_message(tmp_path: Path, lf_data: Path):
         "quantization_bit: QLoRA is not supported yet",
         "use_galore: GaLore is not supported",
     )
+
+
+def test_alpaca_kto_and_ranking_layouts(tmp_path: Path):
+    """ultrafeedback_kto-style (prompt, completion, label) and orca_pairs-style (question, chosen, rejected, system)."""
+    kto = [{"prompt": "What is 2 + 2?", "completion": "The answer is 4.", "label": True}]
+    pairs = [{"question": "What is 2 + 3?", "chosen": "5", "rejected": "6", "system": "Be brief."}]
+    (tmp_path / "kto.json").write_text(json.dumps(kto))
+    (tmp_path / "pairs.json").write_text(json.dumps(pairs))
+    info = {
+        "kto": {"file_name": "kto.json", "columns": {"prompt": "prompt", "response": "completion", "kto_tag": "label"}},
+        "pairs": {
+            "file_name": "pairs.json",
+            "ranking": True,
+            "columns": {"prompt": "question", "chosen": "chosen", "rejected": "rejected", "system": "system"},
+        },
+    }
+    (tmp_path / "dataset_info.json").write_text(json.dumps(info))
+    (example,) = load_examples(["kto"], "unpaired", str(tmp_path))
+    assert example["label"] is True and example["messages"][-1] == {"role": "assistant", "content": "The answer is 4."}
+    (pair,) = load_examples(["pairs"], "pairwise", str(tmp_path))
+    assert pair["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2 + 3?"},
+    ]
+    assert pair["chosen"] == [{"role": "assistant", "content": "5"}]
+    assert pair["rejected"] == [{"role": "assistant", "content": "6"}]
