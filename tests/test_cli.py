@@ -69,7 +69,7 @@ def _bad_run(tmp_path: Path, cfg: dict, *overrides: str):
 
 def test_unknown_key_and_wrong_type(tmp_path: Path, sft_config: dict):
     _expect_clear_error(_bad_run(tmp_path, sft_config, "train.learnig_rate=1"),
-                        "unknown key 'train.learnig_rate'", "did you mean 'learning_rate'")
+                        "unknown key 'train.learnig_rate'", "did you mean 'train.learning_rate'")
     _expect_clear_error(_bad_run(tmp_path, sft_config, "train.max_steps=many"), "train.max_steps:", "integer")
 
 

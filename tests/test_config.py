@@ -31,7 +31,24 @@ def test_unknown_key_suggests_the_right_one():
     with pytest.raises(UserError) as err:
         validate_config({**BASE, "train": {"learnig_rate": 1e-4}}, "run.yaml")
     msg = str(err.value)
-    assert "run.yaml" in msg and "unknown key 'train.learnig_rate'" in msg and "did you mean 'learning_rate'" in msg
+    assert "run.yaml" in msg and "unknown key 'train.learnig_rate'" in msg
+    assert "did you mean 'train.learning_rate'" in msg  # the full key, not the leaf
+
+
+@pytest.mark.parametrize(
+    ("raw", "hint"),
+    [
+        ({"dataset": "a"}, "unknown key 'dataset' (did you mean 'data.dataset'?)"),  # not the section `data`
+        ({"model": {"name_or_path": "m", "learning_rate": 1e-4}}, "did you mean 'train.learning_rate'?"),
+        ({"train": {"per_device_train_batch_size": 2}}, "did you mean 'train.per_device_batch_size'?"),
+        ({"data": {"datset": "a"}}, "did you mean 'data.dataset'?"),
+        ({"cutof_len": 64}, "did you mean 'data.cutoff_len'?"),
+    ],
+)
+def test_hints_name_the_full_key(raw: dict, hint: str):
+    with pytest.raises(UserError) as err:
+        validate_config({**BASE, **raw}, "run.yaml")
+    assert hint in str(err.value)
 
 
 def test_unknown_top_level_key():

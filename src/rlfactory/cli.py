@@ -20,6 +20,8 @@ EPILOG = """examples:
   rlfactory train examples/quickstart/sft.yaml
   rlfactory train examples/quickstart/sft.yaml train.learning_rate=3e-4 output_dir=outputs/try2
   rlfactory config check examples/sft/qwen2.5_0.5b_lora.yaml
+  rlfactory train llama3_lora_sft.yaml                                 (a LLaMA-Factory YAML: see docs/MIGRATING.md)
+  rlfactory convert llama3_lora_sft.yaml -o sft.yaml                   (the same file in rlfactory's schema)
   rlfactory train run.yaml distributed.num_processes=4                 (several GPUs: starts torchrun itself)
   torchrun --nproc_per_node 4 -m rlfactory train run.yaml              (or accelerate launch -m rlfactory ...)
 """
@@ -48,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("config")
     check.add_argument("overrides", nargs="*")
     config_sub.add_parser("schema", help="print the JSON schema of a run config")
+    convert = sub.add_parser("convert", help="write a LLaMA-Factory run YAML in rlfactory's schema")
+    convert.add_argument("config", help="a LLaMA-Factory run YAML (flat keys: model_name_or_path, stage, ...)")
+    convert.add_argument("-o", "--output", default=None, help="file to write (default: print to stdout)")
     config_sub.add_parser("docs", help="print the config reference (Markdown)")
     webui = sub.add_parser("webui", help="start the Gradio dashboard (needs the webui extra)")
     webui.add_argument("--host", default="127.0.0.1", help="address to serve on (default: loopback only)")
@@ -142,6 +147,31 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    """Print or write the converted YAML; the result is validated first, and an existing file is never replaced."""
+    from pathlib import Path
+
+    import yaml
+
+    from rlfactory.config.loader import resolve_raw, validate_config
+
+    raw, conversion = resolve_raw(args.config)
+    if conversion is None:
+        raise UserError(f"{args.config}: not a LLaMA-Factory file (it has no flat `model_name_or_path`); nothing to do")
+    validate_config(raw, args.config)
+    header = "".join(f"# {line}\n" for line in conversion.notes(args.config))
+    text = header + yaml.safe_dump(raw, sort_keys=False)
+    if args.output is None:
+        print(text, end="")
+        return 0
+    out = Path(args.output)
+    if out.exists():
+        raise UserError(f"{out} exists; choose another --output or remove it")
+    out.write_text(text)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
 def cmd_webui(args: argparse.Namespace) -> int:
     import importlib.util
 
@@ -204,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         print(__version__)
         return 0
     _setup_logging()
-    handlers = {"train": cmd_train, "config": cmd_config, "webui": cmd_webui, "env": cmd_env}
+    handlers = {"train": cmd_train, "config": cmd_config, "convert": cmd_convert, "webui": cmd_webui, "env": cmd_env}
     try:
         return handlers[args.command](args)
     except UserError as exc:

@@ -18,3 +18,10 @@ def _as_list(value: Any) -> Any:
     if value is None:
         return []
     return [value] if isinstance(value, str) else value
+
+
+def _comma_list(value: Any) -> Any:
+    """A list of names, also written as one comma-separated string (``dataset: a,b``, LLaMA-Factory's way)."""
+    if isinstance(value, str):
+        return [item.strip() for item in value.split(",") if item.strip()]
+    return _as_list(value)

@@ -6,6 +6,8 @@ Every failure becomes one UserError that names the file and the YAML path and sa
 from __future__ import annotations
 
 import copy
+import difflib
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,9 @@ from pydantic import BaseModel, ValidationError
 
 from rlfactory.config.schema import PipelineConfig, RunConfig
 from rlfactory.config.yaml_io import load_yaml_file
-from rlfactory.errors import UserError, did_you_mean
+from rlfactory.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -123,7 +127,7 @@ def format_validation_error(exc: ValidationError, source: str, model: type[BaseM
         path = ".".join(loc) or "(top level)"
         if err["type"] == "extra_forbidden":
             valid = _valid_keys(model, loc[:-1])
-            hint = did_you_mean(loc[-1], valid)
+            hint = _key_hint(model, loc)
             lines.append(f"unknown key '{path}'{hint}; valid keys here: {', '.join(valid)}")
         elif err["type"] == "missing":
             lines.append(f"missing required key '{path}'")
@@ -133,6 +137,42 @@ def format_validation_error(exc: ValidationError, source: str, model: type[BaseM
             lines.append(f"{path}: {msg}{got}" if loc else msg)
     head = f"{source}: invalid config" + (":" if len(lines) > 1 else ": ")
     return head + ("\n  - " + "\n  - ".join(lines) if len(lines) > 1 else lines[0])
+
+
+def _dotted_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every key of the schema as a full dotted path (``data.dataset``), sections included."""
+    keys = []
+    for name, info in model.model_fields.items():
+        keys.append(prefix + name)
+        section = _section_class(info.annotation)
+        if section is not None and name != "stages":
+            keys += _dotted_keys(section, f"{prefix}{name}.")
+    return keys
+
+
+def _key_hint(model: type[BaseModel], loc: list[str]) -> str:
+    """' (did you mean 'data.dataset'?)': the full key to write, also when the right key lives in another
+    section (``dataset`` at the top level, ``learning_rate`` under ``model``). A LLaMA-Factory key name in our
+    file is answered with its mapping."""
+    from rlfactory.config.llamafactory import mapped_target
+
+    keys = _dotted_keys(RunConfig)
+    inside = [part for part in loc[:-1] if not part.isdigit() and part not in ("stages", "defaults")]
+    here = ".".join(inside)
+    wrong = loc[-1]
+    target = mapped_target(wrong)
+    if target:  # a LLaMA-Factory key name
+        return f" (did you mean '{target}'?)"
+    exact = [k for k in keys if k.rpartition(".")[2] == wrong and k.rpartition(".")[0] != here]
+    if exact:
+        return f" (did you mean {' or '.join(repr(k) for k in exact)}?)"
+    siblings = {k.rpartition(".")[2]: k for k in keys if k.rpartition(".")[0] == here}
+    close = difflib.get_close_matches(wrong, list(siblings), n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean '{siblings[close[0]]}'?)"
+    by_leaf = {k.rpartition(".")[2]: k for k in keys if "." in k}
+    close = difflib.get_close_matches(wrong, list(by_leaf), n=1, cutoff=0.75)
+    return f" (did you mean '{by_leaf[close[0]]}'?)" if close else ""
 
 
 def _valid_keys(model: type[BaseModel], loc: list[str]) -> list[str]:
@@ -176,10 +216,37 @@ def validate_config(raw: dict[str, Any], source: str) -> RunConfig | PipelineCon
     return config  # type: ignore[return-value]
 
 
+def resolve_raw(path: str | os.PathLike[str], overrides: list[str] | None = None) -> tuple[dict[str, Any], Any]:
+    """The file's mapping in our schema, with overrides applied, and the LLaMA-Factory conversion (or None).
+
+    A LLaMA-Factory file is converted first (``config/llamafactory.py``); overrides without a dot are its own flat
+    keys (``model_name_or_path=...``) and apply before the conversion, dotted ones (ours) after it."""
+    from rlfactory.config import llamafactory
+
+    raw = read_yaml(path)
+    overrides = overrides or []
+    if not llamafactory.is_llamafactory(raw):
+        return apply_overrides(raw, overrides), None
+    flat = [item for item in overrides if "." not in item.partition("=")[0]]
+    dotted = [item for item in overrides if item not in flat]
+    conversion = llamafactory.convert(apply_overrides(raw, flat))
+    return apply_overrides(conversion.out, dotted), conversion
+
+
 def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None) -> RunConfig | PipelineConfig:
-    """Read, override and validate a run or pipeline YAML."""
-    raw = apply_overrides(read_yaml(path), overrides or [])
-    return validate_config(raw, str(path))
+    """Read, override and validate a run or pipeline YAML (ours, or LLaMA-Factory's flat one: its notice is
+    logged)."""
+    raw, conversion = resolve_raw(path, overrides)
+    if conversion is None:
+        return validate_config(raw, str(path))
+    for line in conversion.notes(str(path)):
+        log.info("%s", line)
+    try:
+        return validate_config(raw, str(path))
+    except UserError as exc:
+        from rlfactory.config.llamafactory import explain_error
+
+        raise UserError(explain_error(str(exc), conversion)) from None
 
 
 def dump_config(config: BaseModel) -> str:

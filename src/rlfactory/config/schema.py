@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rlfactory.config.base import Section, _as_list
+from rlfactory.config.base import Section, _as_list, _comma_list
 from rlfactory.config.online_schema import (
     AgentConfig,
     AlgorithmConfig,
@@ -97,11 +97,27 @@ class LoraConfig(Section):
     alpha: int = Field(16, ge=1, description="LoRA scaling numerator (scale = alpha / r).")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA branch.")
     target_modules: str | list[str] = Field(
-        "all-linear", description="Modules that get adapters: `all-linear` or a list such as [q_proj, v_proj]."
+        "all-linear",
+        description="Modules that get adapters: `all-linear` (or `all`) or a list such as [q_proj, v_proj] "
+        "(a comma-separated string works too).",
     )
     modules_to_save: list[str] = Field(
         default_factory=list, description="Extra modules trained in full and saved with the adapter."
     )
+
+    _names_modules = field_validator("modules_to_save", mode="before")(_comma_list)
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _all_linear(cls, value: Any) -> Any:
+        """`all` (LLaMA-Factory's name) is PEFT's `all-linear`; `q_proj,v_proj` is a list. One name without a comma
+        stays a string (PEFT reads a string as a regular expression)."""
+        names = _comma_list(value) if isinstance(value, str) and "," in value else value
+        if names in ("all", ["all"], ["all-linear"]):
+            return "all-linear"
+        if isinstance(names, list) and ("all" in names or "all-linear" in names):
+            raise ValueError("`all` / `all-linear` stands alone; give either it or a list of module names")
+        return names
 
 
 class FreezeConfig(Section):
@@ -119,7 +135,9 @@ class DataConfig(Section):
     """Datasets from the registry, and how they are rendered, cut and batched."""
 
     dataset: list[str] = Field(
-        default_factory=list, description="Training dataset name(s) from the registry (dataset_info.yaml)."
+        default_factory=list,
+        description="Training dataset name(s) from the registry (dataset_info.yaml or .json): a list, or names "
+        "separated by commas.",
     )
     eval_dataset: list[str] = Field(default_factory=list, description="Evaluation dataset name(s).")
     eval_split: float = Field(
@@ -153,7 +171,7 @@ class DataConfig(Section):
     )
     shuffle: bool = Field(True, description="Shuffle the training data every epoch (seeded).")
 
-    _as_list_ds = field_validator("dataset", "eval_dataset", mode="before")(_as_list)
+    _as_list_ds = field_validator("dataset", "eval_dataset", mode="before")(_comma_list)
 
 
 class TrainConfig(Section):

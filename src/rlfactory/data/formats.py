@@ -74,6 +74,14 @@ def normalize_tool_call(call: Any) -> dict[str, Any]:
     return out
 
 
+def normalize_tool_schema(tool: Any) -> Any:
+    """A bare function schema ``{name, description, parameters}`` (LLaMA-Factory's glaive rows) becomes the OpenAI
+    form ``{type: function, function: {...}}`` that chat templates expect; other shapes pass unchanged."""
+    if isinstance(tool, dict) and "function" not in tool and isinstance(tool.get("name"), str):
+        return {"type": "function", "function": tool}
+    return tool
+
+
 def normalize_message(message: Any, where: str) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise RowError(f"{where} must be an object with `role` and `content`")
@@ -128,12 +136,17 @@ def _label(value: Any, column: str) -> bool | None:
 def _common(row: dict[str, Any], spec: DatasetSpec, messages: list[dict[str, Any]], as_message) -> dict:
     cols = spec.columns
     system = _column(row, cols.system)
-    if system:
+    if system and messages and messages[0]["role"] == "system":
+        if messages[0]["content"] != system:
+            raise RowError(f"the conversation starts with a system turn and column '{cols.system}' holds another one")
+    elif system:
         messages = [{"role": "system", "content": _text(system, f"column '{cols.system}'")}, *messages]
     tools = parse_json_field(_column(row, cols.tools), f"column '{cols.tools}'")
+    if isinstance(tools, dict):  # one schema
+        tools = [tools]
     if tools is not None and not isinstance(tools, list):
         raise RowError(f"column '{cols.tools}' must be a list of tool schemas")
-    example: dict[str, Any] = {"messages": messages, "tools": tools or None}
+    example: dict[str, Any] = {"messages": messages, "tools": [normalize_tool_schema(t) for t in tools or []] or None}
     if spec.ranking:
         example["chosen"] = _response_messages(_column(row, cols.chosen, True), cols.chosen, as_message)
         example["rejected"] = _response_messages(_column(row, cols.rejected, True), cols.rejected, as_message)
@@ -158,13 +171,14 @@ def from_openai(row: dict[str, Any], spec: DatasetSpec) -> dict[str, Any]:
 def from_alpaca(row: dict[str, Any], spec: DatasetSpec) -> dict[str, Any]:
     cols = spec.columns
     prompt = _text(_column(row, cols.prompt or "instruction", True), f"column '{cols.prompt or 'instruction'}'")
-    query = _text(_column(row, cols.query), f"column '{cols.query}'")
+    query = _text(_column(row, cols.query or "input"), f"column '{cols.query or 'input'}'")
     messages: list[dict[str, Any]] = []
     for i, pair in enumerate(_column(row, cols.history) or []):
         if not (isinstance(pair, list | tuple) and len(pair) == 2):
             raise RowError(f"column '{cols.history}'[{i}] must be a [instruction, answer] pair")
         messages += [{"role": "user", "content": str(pair[0])}, {"role": "assistant", "content": str(pair[1])}]
-    messages.append({"role": "user", "content": f"{prompt}\n{query}" if query else prompt})
+    # LLaMA-Factory's way: the instruction, then the input on the next line (either may be empty)
+    messages.append({"role": "user", "content": "\n".join(text for text in (prompt, query) if text)})
     if not spec.ranking:  # SFT and KTO rows carry the response; preference rows carry chosen/rejected
         column = cols.response or "output"
         response = _column(row, column, required=cols.response is not None)
@@ -212,3 +226,17 @@ def from_sharegpt(row: dict[str, Any], spec: DatasetSpec) -> dict[str, Any]:
 
 
 CONVERTERS = {"openai": from_openai, "alpaca": from_alpaca, "sharegpt": from_sharegpt}
+# the column each converter reads when the entry names none (LLaMA-Factory's defaults)
+DEFAULT_COLUMNS = {
+    "openai": {"messages": "messages"},
+    "alpaca": {"prompt": "instruction", "query": "input", "response": "output"},
+    "sharegpt": {"messages": "conversations"},
+}
+
+
+def read_columns(spec: DatasetSpec) -> set[str]:
+    """Every source column a converter reads for this entry (for the report of columns nobody reads)."""
+    named = {value for value in spec.columns.model_dump().values() if value}
+    return named | {
+        column for key, column in DEFAULT_COLUMNS.get(spec.formatting, {}).items() if not getattr(spec.columns, key)
+    }

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from rlfactory.data.formats import CONVERTERS, RowError
+from rlfactory.data.formats import CONVERTERS, RowError, read_columns
 from rlfactory.data.registry import DatasetSpec, get_spec, load_registry
 from rlfactory.data.trl import CONVERSATION_COLUMNS, UnsupportedType, from_trl, is_trl_row
 from rlfactory.errors import UserError, first_line, read_text
@@ -69,13 +69,22 @@ def _iter_rows(spec: DatasetSpec, folder: Path, name: str) -> tuple[str, Iterato
         import datasets
 
         try:
-            ds = datasets.load_dataset(spec.hf_path, spec.subset, split=spec.split)
+            ds = datasets.load_dataset(
+                spec.hf_path, spec.subset, split=spec.split, data_dir=spec.data_dir, revision=spec.revision
+            )
         except Exception as exc:  # datasets raises many types; all mean "cannot load this"
-            raise UserError(f"dataset '{name}': cannot load hf_path '{spec.hf_path}': {exc}") from None
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(
+                f"dataset '{name}': cannot load '{spec.hf_path}' (split {spec.split}) through `datasets`: {first}. "
+                "Offline, only datasets already in the local Hugging Face cache load: load it once with network "
+                "access, or save it as a file and register it with file_name"
+            ) from None
         return spec.hf_path, iter(ds)
     path = folder / str(spec.file_name)
     if not path.exists():
-        raise UserError(f"dataset '{name}': file '{path}' does not exist (file_name in {folder}/dataset_info.yaml)")
+        raise UserError(
+            f"dataset '{name}': file '{path}' does not exist (its file_name in {folder}/dataset_info.yaml or .json)"
+        )
     if path.is_dir():
         return str(path), _read_saved(path, spec, name)
     suffix = path.suffix.lower()
@@ -200,6 +209,40 @@ def _quiet(logger: str) -> Iterator[None]:
         log_.setLevel(level)
 
 
+class UnreadColumns:
+    """Counts the non-empty columns of a dataset's rows that the entry's mapping never reads, so that none is
+    dropped silently (an alpaca ``input`` left out of ``columns``, a misspelt column name)."""
+
+    def __init__(self, read: set[str]) -> None:
+        self.read = read
+        self.counts: dict[str, int] = {}
+
+    def add(self, row: dict[str, Any]) -> None:
+        for column, value in row.items():
+            if column not in self.read and value not in (None, "", [], {}):
+                self.counts[column] = self.counts.get(column, 0) + 1
+
+    def report(self, name: str) -> None:
+        if self.counts:
+            shown = ", ".join(f"'{column}' ({n} rows)" for column, n in sorted(self.counts.items()))
+            log.warning(
+                "dataset '%s': column(s) %s are not mapped in the registry entry, so they are not part of the "
+                "conversation; map them under `columns` if they should be",
+                name,
+                shown,
+            )
+
+
+def response_as_answer(example: dict[str, Any]) -> None:
+    """Prompt-only stages (ppo, grpo) on sft-style rows, as LLaMA-Factory's ppo reads them: the final assistant
+    turn is not a prompt, so it becomes the row's reference ``answer`` (for reward functions) instead of being
+    dropped. A row that already has an answer keeps the error: its response would be lost."""
+    messages = example["messages"]
+    if len(messages) > 1 and messages[-1]["role"] == "assistant" and example.get("answer") is None:
+        if not messages[-1].get("tool_calls") and not example.get("chosen"):
+            example["answer"] = messages.pop()["content"]
+
+
 def check_example(example: dict[str, Any], kind: str) -> None:
     """Raise RowError if the example cannot serve a stage of this kind."""
     if kind == "text":
@@ -254,6 +297,7 @@ def load_examples(
     for name in names:
         spec = get_spec(name, folder, specs)
         source, rows = _iter_rows(spec, folder, name)
+        unread = UnreadColumns(read_columns(spec))
         taken = 0
         for number, row in enumerate(rows, start=1):
             if max_samples is not None and taken >= max_samples:
@@ -262,6 +306,10 @@ def load_examples(
                 if not isinstance(row, dict):
                     raise RowError("a row must be an object")
                 example = for_kind(convert_row(row, spec), kind)
+                if not example.get("trl_type"):  # a TRL row's columns are read by its type (data/trl.py)
+                    unread.add(row)
+                if kind == "prompt":
+                    response_as_answer(example)
                 check_example(example, kind)
             except UnsupportedType as exc:
                 raise UserError(f"{source} row {number}: {exc}") from None
@@ -271,6 +319,7 @@ def load_examples(
             example["source"] = f"{name}:{number}"
             examples.append(example)
             taken += 1
+        unread.report(name)
     if len(bad) > max_bad_rows:
         shown = "\n  ".join(bad[:5]) + (f"\n  ... and {len(bad) - 5} more" if len(bad) > 5 else "")
         raise UserError(

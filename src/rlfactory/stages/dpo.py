@@ -61,6 +61,11 @@ def check_loss_type(name: str) -> tuple[Callable[..., Any], dict[str, Any]]:
             f"dpo.loss_type '{name}' is the objective of stage {stage}: set `stage: {stage}` (with a `{stage}:` "
             f"section) instead; dpo loss types: {', '.join(valid)}"
         )
+    if name == "kto_pair":  # TRL's and LLaMA-Factory's paired KTO
+        raise UserError(
+            "dpo.loss_type 'kto_pair' (paired KTO) is not supported: use `stage: kto`, which also takes ranking data "
+            f"(each pair gives one desirable and one undesirable example); dpo loss types: {', '.join(valid)}"
+        )
     if name not in valid:
         raise UserError(f"unknown dpo.loss_type '{name}'{did_you_mean(name, valid)}; valid names: {', '.join(valid)}")
     return PREFERENCE_LOSSES.get(name), PREFERENCE_LOSSES.traits(name)

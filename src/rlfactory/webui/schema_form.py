@@ -210,6 +210,21 @@ def form_to_raw(sections: list[SectionSpec], values: list[Any]) -> dict[str, Any
     return raw
 
 
+def form_mapping(raw: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """What Load YAML puts in the form: our mapping as it is, a LLaMA-Factory file converted (docs/MIGRATING.md),
+    with a note saying so."""
+    from rlfactory.config.llamafactory import convert, is_llamafactory
+
+    if not is_llamafactory(raw):
+        return raw, ""
+    conversion = convert(raw)
+    note = (
+        f"; a LLaMA-Factory file: {len(conversion.mapped)} key(s) mapped, {len(conversion.ignored)} ignored "
+        f"({'; '.join(conversion.ignored) or 'none'}), see docs/MIGRATING.md"
+    )
+    return conversion.out, note
+
+
 def raw_to_form(sections: list[SectionSpec], raw: dict[str, Any]) -> tuple[list[Any], list[str]]:
     """A raw mapping -> form values (defaults where absent), plus the keys the form has no field for."""
     specs = all_fields(sections)

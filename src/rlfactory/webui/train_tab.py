@@ -194,10 +194,13 @@ class TrainTab:
             raw = read_yaml(workspace.current().readable(path or "", "YAML to load"))
             if "stages" in raw:
                 raise UserError(f"{path} is a pipeline (`stages:`); run pipelines with `rlfactory train {path}`")
+            raw, converted = sf.form_mapping(raw)
         except UserError as exc:
             return [gr.skip()] * len(self.specs) + [gr.skip()] * len(self.stage_groups) + [error_md(exc)]
         values, unknown = sf.raw_to_form(self.sections, raw)
-        note = f"✓ loaded `{path}`" + (f"; keys the form does not know: {', '.join(unknown)}" if unknown else "")
+        note = f"✓ loaded `{path}`{converted}" + (
+            f"; keys the form does not know: {', '.join(unknown)}" if unknown else ""
+        )
         return [*values, *self.stage_visibility(str(raw.get("stage", "sft"))), note]
 
     def on_preview_page(self, page: float, delta: int, *values: Any) -> tuple[str, int]:
