@@ -37,7 +37,11 @@ def check_run(run: RunConfig) -> list[str]:
         held, _ = _load(run, run.data.eval_dataset, None)
         notes.append(f"[{run.name or run.stage}] eval data: {len(held)} examples")
     if run.evaluation.dataset:
-        load_examples([run.evaluation.dataset], "prompt", run.data.dataset_dir, 1, run.data.max_bad_rows)
+        prompts = load_examples([run.evaluation.dataset], "prompt", run.data.dataset_dir, 1, run.data.max_bad_rows)
+        if run.evaluation.tools:
+            from rlfactory.rollout.agent import offer_tools
+
+            offer_tools(run.evaluation.tools, run.evaluation.parser, prompts)
     from rlfactory.stages import get_stage
 
     stage_check = getattr(get_stage(run.stage), "check", None)  # the stage's own rules (names, columns, files)
