@@ -30,6 +30,7 @@ def _prompts(ev: EvaluationConfig) -> list[dict]:
     return load_eval_prompts(cfg)
 
 
+@pytest.mark.slow
 def test_tools_run_in_the_evaluation_and_the_final_answer_is_scored(tiny):
     """The bundled model calls the calculator on about half of the tool prompts: scored on its first turn (no
     tools) those calls are wrong answers; with evaluation.tools the calls run, their results come back and the
