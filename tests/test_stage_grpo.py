@@ -177,6 +177,7 @@ def _train(tmp_path: Path, cfg: dict, *overrides: str):
     return result
 
 
+@pytest.mark.slow
 def test_grpo_run_logs_traces_checkpoints_and_resumes_exactly(tmp_path: Path):
     cfg = grpo_config(tmp_path)
     out = Path(cfg["output_dir"])
@@ -234,6 +235,7 @@ def test_estimator_traits_decide_critic_and_groups_not_the_stage_name(
     assert "critic:" in (out / "config.yaml").read_text()  # the critic's defaults, as used, in the saved config
 
 
+@pytest.mark.slow
 def test_grpo_variants_lora_kl_loss_dynamic_sampling_epochs(tmp_path: Path):
     cfg = grpo_config(
         tmp_path,
@@ -275,6 +277,7 @@ def test_grpo_variants_lora_kl_loss_dynamic_sampling_epochs(tmp_path: Path):
     assert (Path(cfg["output_dir"]) / "adapter_config.json").is_file()
 
 
+@pytest.mark.slow
 def test_grpo_learns_on_the_bundled_task(tmp_path: Path):
     """Learning, not just running: on a fixed set of 16 training problems the mean reward of the rollouts and the
     greedy accuracy on those problems go up within 20 steps (about a minute on 2 cores).
