@@ -10,7 +10,7 @@ VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-main test-vllm vllm-venv lint docs clean
+.PHONY: demo test test-fast test-main test-vllm vllm-venv lint docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,10 @@ test: test-main test-vllm
 
 test-main: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+
+# the main suite without the end-to-end training runs marked `slow` (minutes instead of tens of minutes)
+test-fast: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow and not vllm"
 
 # one small KV cache (GiB) per engine; passive OpenMP threads on a shared 2-core machine
 test-vllm: $(VLLM_STAMP)

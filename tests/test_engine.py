@@ -115,6 +115,7 @@ def test_batch_times_accumulation_invariance(sft_config: dict, tmp_path: Path):
     assert grads[0] == pytest.approx(grads[1], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_from_checkpoint(sft_config: dict, tmp_path: Path):
     cfg = {**sft_config, "model": {**sft_config["model"], "finetuning": "full"},
            "data": {**sft_config["data"], "shuffle": True},

@@ -150,6 +150,7 @@ def test_hf_backend_cuts_at_the_first_of_several_stop_tokens():
     assert cut.finish_reason == "stop" and cut.token_ids == free.token_ids[: first + 1]
 
 
+@pytest.mark.slow
 def test_grpo_with_the_harmony_parser_trains_through_the_cli(tmp_path, harmony):
     """The harmony tool path end to end (was refused before the backends stopped on several tokens): the tiny
     model with harmony's tokens added and GPT-OSS's template, 2 GRPO steps with the calculator."""

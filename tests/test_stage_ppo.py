@@ -51,6 +51,7 @@ def _train(tmp_path: Path, cfg: dict):
     return result, [r for r in read_log(cfg["output_dir"]) if "score/mean" in r]
 
 
+@pytest.mark.slow
 def test_ppo_lora_critic_gae_and_adaptive_kl(tmp_path: Path):
     cfg = ppo_config(tmp_path)
     result, steps = _train(tmp_path, cfg)
@@ -77,6 +78,7 @@ def test_ppo_lora_critic_gae_and_adaptive_kl(tmp_path: Path):
     assert json.loads((out / "run_summary.json").read_text())["saved_as"] == "adapter"
 
 
+@pytest.mark.slow
 def test_ppo_full_finetuning_uses_a_frozen_reference(tmp_path: Path):
     cfg = ppo_config(
         tmp_path,
@@ -90,6 +92,7 @@ def test_ppo_full_finetuning_uses_a_frozen_reference(tmp_path: Path):
     assert "actor/kl_loss" in steps[0] and (Path(cfg["output_dir"]) / "critic" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_ppo_raises_mean_reward(tmp_path: Path):
     """Learning, not just running: with the rule reward (answer_match) on a fixed set of 16 training problems the
     mean reward of the rollouts goes up (full fine-tuning of policy and critic, GAE, one update per batch)."""

@@ -62,6 +62,7 @@ def _assert_dpo_learned(first: dict, last: dict) -> None:
     assert last["eval_rewards/margins"] > 0.05 and last["eval_rewards/accuracies"] > first["eval_rewards/accuracies"]
 
 
+@pytest.mark.slow
 def test_dpo_lora_raises_heldout_preference_accuracy(tmp_path: Path):
     """One epoch of arith_pref; reference = the adapter-disabled policy, so implicit rewards start at exactly 0."""
     cfg = _config(tmp_path, "dpo", dpo={"beta": 0.5}, data={"max_samples": 1000}, train={"max_steps": 31})
@@ -75,6 +76,7 @@ def test_dpo_lora_raises_heldout_preference_accuracy(tmp_path: Path):
     assert summary["saved_as"] == "adapter"
 
 
+@pytest.mark.slow
 def test_dpo_full_with_precomputed_reference_needs_no_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Full fine-tuning + precompute_ref_logps: the starting policy scores the pairs once, no frozen copy."""
 
@@ -111,6 +113,7 @@ def _format_pairs(tmp_path: Path) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_rm_ranks_heldout_pairs_and_saves_a_plain_classifier(tmp_path: Path):
     from transformers import AutoModelForSequenceClassification
 
@@ -141,6 +144,7 @@ def test_rm_ranks_heldout_pairs_and_saves_a_plain_classifier(tmp_path: Path):
         assert float(direct(**ids).logits[0, 0]) == pytest.approx(chosen[0], abs=1e-4)
 
 
+@pytest.mark.slow
 def test_kto_from_pairs_moves_rewards_apart_on_heldout_data(tmp_path: Path):
     """Ranking data split into desirable/undesirable examples; adapter-disabled reference."""
     cfg = _config(tmp_path, "kto", kto={"beta": 0.5})
@@ -151,6 +155,7 @@ def test_kto_from_pairs_moves_rewards_apart_on_heldout_data(tmp_path: Path):
     assert "eval_kl" in last and summary[kto.MARGINS]["after"] == last["eval_rewards/margins"]
 
 
+@pytest.mark.slow
 def test_orpo_raises_the_log_odds_ratio(tmp_path: Path):
     cfg = _config(tmp_path, "orpo", model={"finetuning": "full"}, train={"learning_rate": 3e-5})
     summary = orpo.run(validate_config(cfg, "test"))

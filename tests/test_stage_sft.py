@@ -19,6 +19,7 @@ def _train(tmp_path: Path, cfg: dict, *overrides: str) -> Path:
     return Path(cfg["output_dir"])
 
 
+@pytest.mark.slow
 def test_lora_sft_eval_loss_falls_and_saves_an_adapter(tmp_path: Path, sft_config: dict):
     cfg = {**sft_config, "data": {**sft_config["data"], "max_samples": 512, "eval_dataset": "arith_sft_eval"},
            "lora": {"r": 8, "alpha": 16},
@@ -43,6 +44,7 @@ def test_lora_sft_eval_loss_falls_and_saves_an_adapter(tmp_path: Path, sft_confi
     assert model.peft_config["default"].r == 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("finetuning", ["full", "freeze"])
 def test_full_and_freeze_save_full_weights(tmp_path: Path, sft_config: dict, finetuning: str):
     cfg = {**sft_config, "model": {"name_or_path": str(TINY_MODEL), "finetuning": finetuning},
@@ -64,6 +66,7 @@ def test_full_and_freeze_save_full_weights(tmp_path: Path, sft_config: dict, fin
         assert any("layers.0." in k for k in changed) and any("embed_tokens" in k for k in changed)
 
 
+@pytest.mark.slow
 def test_packing_trains_and_counts_the_same_tokens(tmp_path: Path, sft_config: dict):
     cfg = {**sft_config, "data": {**sft_config["data"], "packing": True, "shuffle": False}}
     out = _train(tmp_path, cfg)
@@ -73,6 +76,7 @@ def test_packing_trains_and_counts_the_same_tokens(tmp_path: Path, sft_config: d
     assert first[0]["loss"] == pytest.approx(first[1]["loss"], rel=1e-4)  # same documents, same first loss
 
 
+@pytest.mark.slow
 def test_pipeline_second_stage_starts_from_the_first(tmp_path: Path, sft_config: dict):
     stage = {k: v for k, v in sft_config.items() if k != "output_dir"}
     pipeline = {

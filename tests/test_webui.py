@@ -227,6 +227,7 @@ def run_state(workdir: Path, output_dir: str) -> dict:
 
 
 # --------------------------------------------------------------------------- tests
+@pytest.mark.slow
 def test_quickstart_start_to_finish(page, app_url):
     """Fill the quickstart form (on 2 processes), preview the data, Start: the loss chart and the final status
     appear; the run was launched on 2 processes and wrote its model once."""
@@ -283,6 +284,7 @@ def _wait_for_checkpoint(folder: Path) -> None:
     assert list_checkpoints(folder), "no checkpoint was written"
 
 
+@pytest.mark.slow
 def test_stop_keeps_checkpoint_then_resume_and_export(page, app_url):
     """A long LoRA run (loaded from a user YAML): a second Start is refused, Stop ends the process tree and
     keeps the checkpoint, a resumed run finishes, and the Export tab merges its adapter into a full model."""

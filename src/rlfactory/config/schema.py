@@ -246,6 +246,16 @@ class EvaluationConfig(Section):
     max_new_tokens: int = Field(64, ge=1, description="Generation budget per prompt.")
     batch_size: int = Field(32, ge=1, description="Prompts generated at once.")
     before_training: bool = Field(True, description="Also score the model before training, to show the gain.")
+    tools: list[ToolSpec] = Field(
+        default_factory=list,
+        description="Offline stages (sft, dpo, ...): score through the agent loop with these tools, as ppo/grpo "
+        "evaluate with theirs (greedy; the tool results are fed back and the last turn is scored), e.g. after SFT "
+        "on tool-call demonstrations. ppo/grpo evaluate with the run's `tools` and `agent`.",
+    )
+    max_turns: int = Field(3, ge=1, description="With `tools`: assistant turns per conversation at most.")
+    parser: str = Field("hermes", description="With `tools`: the tool-call format the model emits (as agent.parser).")
+
+    _tool_list = field_validator("tools", mode="before")(_tool_entries)
 
 
 STRATEGIES = ("ddp", "zero2", "zero3", "zero3_offload", "fsdp2")
@@ -449,10 +459,21 @@ class RunConfig(Section):
                     "rollout.backend: vllm (the hf backend samples with the policy itself); set it to none"
                 )
             self._online_rules()
+        if self.evaluation.tools and self.rollout is not None:
+            raise ValueError(
+                f"evaluation.tools: stage {self.stage} evaluates through its own agent loop, with `tools` and "
+                "`agent`; remove evaluation.tools"
+            )
+        if self.evaluation.tools and self.sharded():
+            raise ValueError(
+                "evaluation.tools: the agent loop's evaluation runs under distributed.strategy ddp or zero2 only "
+                "(every process holds the whole model); remove evaluation.tools or change the strategy"
+            )
         if self.tools and self.rollout is None:
             raise ValueError(
                 f"tools: stage {self.stage} trains on recorded conversations; it reads tool schemas from the "
-                "dataset's tools column (columns: {tools: <column>}). Remove `tools:` (it is for ppo/grpo rollouts)"
+                "dataset's tools column (columns: {tools: <column>}). Remove `tools:` (it is for ppo/grpo rollouts; "
+                "evaluation.tools runs this stage's evaluation with tools)"
             )
         if self.kto is not None and self.train.per_device_batch_size < 2:
             raise ValueError(

@@ -225,20 +225,49 @@ def agent_enabled(cfg: RunConfig) -> bool:
 def prepare_tool_examples(cfg: RunConfig, examples: list[dict[str, Any]]) -> dict[str, Any]:
     """Load and check the declared tools (before any model loads); rows without ``tools`` get their schemas,
     rows with their own may only offer declared tools. Returns the tools by name."""
+    tools = offer_tools(cfg.tools, cfg.agent.parser if cfg.agent is not None else None, examples)
+    if cfg.agent is not None:
+        from rlfactory.envs.factory import env_class
+
+        env_class(cfg.agent.env or "tools")
+    return tools
+
+
+def offer_tools(specs: list[Any], parser: str | None, examples: list[dict[str, Any]]) -> dict[str, Any]:
+    """``prepare_tool_examples`` for any list of tool entries (the run's ``tools``, or ``evaluation.tools``) and
+    tool-call parser (None: not checked)."""
     from rlfactory.tools.spec import check_example_tools, load_tools
 
-    tools = load_tools(cfg.tools)
+    tools = load_tools(specs)
     check_example_tools(examples, tools)
     schemas = [tool.schema for tool in tools.values()]
     for example in examples:
         if not example.get("tools") and schemas:
             example["tools"] = schemas
-    if cfg.agent is not None:
-        from rlfactory.envs.factory import env_class
-
-        TOOL_PARSERS.get(cfg.agent.parser)
-        env_class(cfg.agent.env or "tools")
+    if parser is not None:
+        TOOL_PARSERS.get(parser)
     return tools
+
+
+def greedy_conversations(
+    model: Any,
+    tokenizer: Any,
+    tools: dict[str, Any],
+    settings: AgentSettings,
+    examples: list[dict],
+    budget: int,
+    batch_size: int = 32,
+) -> list[AgentResult]:
+    """Greedy conversations of ``model`` (hf generate) with ``tools`` answered by the default tools environment:
+    how offline stages evaluate with ``evaluation.tools``. ``examples`` carry ``prompt_ids``; ``budget`` is the
+    token budget of each whole response (turns and tool results)."""
+    from rlfactory.envs.factory import build_env_factory
+    from rlfactory.rollout.hf import HFBackend
+    from rlfactory.tools.execute import ExecLimits
+
+    factory = build_env_factory("tools", tools, ExecLimits(), {})
+    loop = AgentLoop(HFBackend(model, tokenizer, batch_size), tokenizer, tools, settings, factory)
+    return loop.run(examples, SamplingParams(max_tokens=budget, temperature=0))
 
 
 class Rollouts:

@@ -76,6 +76,10 @@ def load_eval_prompts(cfg: RunConfig) -> list[dict[str, Any]]:
     prompts = load_examples([ev.dataset], "prompt", cfg.data.dataset_dir, ev.max_samples, cfg.data.max_bad_rows)
     needs = [f"evaluation.metric {ev.metric}"] if REWARD_FUNCTIONS.traits(ev.metric).get("needs_answer") else []
     check_columns(prompts, needs, ev.dataset)  # without answers every prompt would score 0
+    if ev.tools:  # tools load and rows are checked here, before any model
+        from rlfactory.rollout.agent import offer_tools
+
+        offer_tools(ev.tools, ev.parser, prompts)
     return prompts
 
 
@@ -111,11 +115,16 @@ def evaluate_generation(model: Any, tokenizer: Any, prompts: list[dict[str, Any]
     mine = list(range(len(prompts)))[state.process_index * share : (state.process_index + 1) * share]
     prompt_ids = [render_prompt(tokenizer, prompts[i]["messages"], prompts[i].get("tools")) for i in mine]
     padding = [render_prompt(tokenizer, prompts[0]["messages"], prompts[0].get("tools"))] * (share - len(mine))
-    outputs = generate_ids(model, tokenizer, prompt_ids + padding, ev.max_new_tokens, batch_size=ev.batch_size)
+    examples = [prompts[i] for i in mine] + [prompts[0]] * len(padding)
+    if ev.tools:
+        completions = _with_tools(model, tokenizer, examples, prompt_ids + padding, ev)
+    else:
+        outputs = generate_ids(model, tokenizer, prompt_ids + padding, ev.max_new_tokens, batch_size=ev.batch_size)
+        completions = [
+            (tokenizer.decode(out, skip_special_tokens=True), ex) for out, ex in zip(outputs, examples, strict=True)
+        ]
     samples = []
-    for index, ids, out in zip(mine, prompt_ids, outputs, strict=False):
-        example = prompts[index]
-        completion = tokenizer.decode(out, skip_special_tokens=True)
+    for ids, (completion, example) in zip(prompt_ids, completions, strict=False):  # padding left out
         score = metric_score(ev.metric, tokenizer.decode(ids), completion, example.get("answer"), example)
         prompt = example["messages"][-1]["content"]
         samples.append({"prompt": prompt, "completion": completion, "answer": example.get("answer"), "score": score})
@@ -123,6 +132,22 @@ def evaluate_generation(model: Any, tokenizer: Any, prompts: list[dict[str, Any]
         samples = gather_object(samples)  # in process order: the prompts' order
     scores = [sample["score"] for sample in samples]
     return {"score": sum(scores) / len(scores), "n": len(scores), "samples": samples}
+
+
+def _with_tools(
+    model: Any, tokenizer: Any, examples: list[dict], prompt_ids: list[list[int]], ev: EvaluationConfig
+) -> list[tuple[str, dict]]:
+    """(last assistant turn, the example with its episode as ``agent``) per prompt: greedy conversations in which
+    ``evaluation.tools`` run, as ppo/grpo validate (the metric reads the final answer, and may read the episode)."""
+    from rlfactory.rollout.agent import AgentSettings, greedy_conversations
+    from rlfactory.tools.spec import load_tools
+
+    with_ids = [{**ex, "prompt_ids": ids} for ex, ids in zip(examples, prompt_ids, strict=True)]
+    settings = AgentSettings(ev.max_turns, ev.parser)
+    results = greedy_conversations(
+        model, tokenizer, load_tools(ev.tools), settings, with_ids, ev.max_new_tokens, ev.batch_size
+    )
+    return [(r.final_text, {**ex, "agent": r.summary()}) for ex, r in zip(examples, results, strict=True)]
 
 
 def score_before(cfg: RunConfig, tokenizer: Any, prompts: list[dict[str, Any]]) -> Callable[[Any], float] | None:
