@@ -148,3 +148,33 @@ def test_a_zero3_partitioned_head_takes_the_full_logits_path_with_the_same_value
     full = nll_sum(model, inputs, labels), next_token_logps(model, inputs, mask)
     torch.testing.assert_close(full[0], chunked[0].to(full[0].dtype), rtol=1e-6, atol=1e-9)
     torch.testing.assert_close(full[1], chunked[1].to(full[1].dtype), rtol=1e-6, atol=1e-9)
+
+
+def test_gradient_norm_of_fsdp2_shards_is_a_plain_tensor(tmp_path):
+    """FSDP2 hands back DTensor gradients (and a DTensor norm from clipping); the divergence guard reads them with
+    ``.tolist()``, which a DTensor refuses (seen on 4 GPUs): ``clip_grad_norm`` returns the plain global norm."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from rlfactory.engine.shared import clip_grad_norm
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        weight = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 3, dtype=torch.float64), mesh, [Shard(0)]))
+        weight.grad = distribute_tensor(torch.full((4, 3), 2.0, dtype=torch.float64), mesh, [Shard(0)])
+
+        class Plain:  # what the accelerator's clip returns under FSDP2: a DTensor norm
+            @staticmethod
+            def clip_grad_norm_(params, max_norm):
+                return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+        model = torch.nn.Module()
+        model.weight = weight
+        for max_norm in (None, 100.0):
+            norm = clip_grad_norm(Plain(), model, max_norm)
+            assert not hasattr(norm, "full_tensor")
+            assert torch.stack([norm.reshape(())]).tolist() == [pytest.approx(2.0 * 12**0.5)]
+    finally:
+        dist.destroy_process_group()

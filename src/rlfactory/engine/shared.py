@@ -280,8 +280,13 @@ def clip_grad_norm(accelerator: Accelerator, model: Any, max_norm: float | None)
         return None
     if max_norm is not None:
         norm = accelerator.clip_grad_norm_(params, max_norm)  # DeepSpeed clips inside its step: a float or None
-        return norm.detach().float() if torch.is_tensor(norm) else norm
-    return torch.stack([p.grad.detach().float().norm() for p in params]).norm()
+        return _whole(norm).detach().float() if torch.is_tensor(norm) else norm
+    return torch.stack([_whole(p.grad.detach().float().norm()) for p in params]).norm()
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """FSDP2 gives sharded DTensors (a norm too): the plain, globally reduced tensor, which ``.tolist()`` reads."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def end_run(accelerator: Accelerator) -> None:
