@@ -526,7 +526,10 @@ def main() -> None:
         shutil.rmtree(out, ignore_errors=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if not lines:
-            print(f"{case}/{impl}/{gpus} GPUs failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+            # a rank's own error comes first; torchrun's summary of the stopped ranks fills the tail
+            errors = [ln for ln in proc.stderr.splitlines() if "Error" in ln and "Warning" not in ln][:12]
+            print(f"{case}/{impl}/{gpus} GPUs failed:\n" + "\n".join(errors), file=sys.stderr)
+            print(proc.stderr[-3000:], file=sys.stderr)
             continue
         for line in [ln for ln in proc.stderr.splitlines() if ln.startswith("MEM ")][-3:]:
             print(f"{case}/{impl} {line}", flush=True)
