@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -40,8 +41,8 @@ PROJECT_FILES = ("pyproject.toml", ".git")
 
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to a temporary file next to ``path``, then rename it: a kill leaves the old file or the new
-    one, never half of one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    one, never half of one; a reader never sees an empty file (the WebUI's threads write its state file too)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     with open(tmp, "w") as handle:
         handle.write(text)
         handle.flush()

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfactory.config.schema import RunConfig
+from rlfactory.engine.run_dir import write_atomic
 from rlfactory.errors import UserError
 from rlfactory.webui import workspace
 
@@ -77,7 +78,7 @@ def read_state(output_dir: str | Path) -> dict[str, Any]:
 
 def _write_state(output_dir: Path, **update: Any) -> None:
     state = {**read_state(output_dir), **update}
-    (output_dir / STATE_NAME).write_text(json.dumps(state, indent=2))
+    write_atomic(output_dir / STATE_NAME, json.dumps(state, indent=2))  # read while the watcher thread writes
 
 
 def _alive(pid: int | None) -> bool:
@@ -186,7 +187,7 @@ def _launch(out: Path, yaml_text: str) -> _Active:
         created = None
     state = {"status": "running", "pid": process.pid, "create_time": created, "command": command}
     state |= {"workspace": str(root), "started": time.time()}
-    (out / STATE_NAME).write_text(json.dumps(state, indent=2))
+    write_atomic(out / STATE_NAME, json.dumps(state, indent=2))
     active = _Active(process, out)
     threading.Thread(target=_watch, args=(active,), daemon=True, name=f"webui-run-{process.pid}").start()
     return active
