@@ -191,3 +191,47 @@ def test_openai_and_glaive_tool_data_render_identically_for_sft_and_dpo():
 def test_real_model_tool_examples_validate(example: str):
     result = run_cli("config", "check", str(ROOT / "examples" / "tools" / example))
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+BROKEN_TOOL = '''
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: An arithmetic expression with numbers, + - * / // % ** and parentheses, e.g. "12 + 7".
+    """
+    raise RuntimeError("the tool's service is down")
+'''
+
+
+@pytest.mark.slow
+def test_a_tool_failing_in_a_row_stops_the_run_with_a_checkpoint_and_its_error(tmp_path: Path):
+    """A broken tool (every executed call raises) stops the run at agent.max_tool_errors_in_a_row, with a checkpoint
+    and the tool's own error, instead of training on nothing but error results."""
+    tool = tmp_path / "broken.py"
+    tool.write_text(BROKEN_TOOL)
+    cfg = tools_config(tmp_path, tools=[{"function": f"{tool}:calculator"}], agent={"max_tool_errors_in_a_row": 2})
+    cfg["train"]["max_steps"] = 6
+    cfg.pop("evaluation")
+    result = run_cli("train", str(write_yaml(tmp_path / "run.yaml", cfg)))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "tool calls failed" in result.stderr and "in a row (agent.max_tool_errors_in_a_row: 2)" in result.stderr
+    assert "RuntimeError: the tool's service is down" in result.stderr and "Traceback" not in result.stderr
+    out = Path(cfg["output_dir"])
+    steps = [r for r in read_log(out) if "score/mean" in r]
+    assert steps and steps[-1]["step"] < 6
+    assert all(r["tool_errors/rate"] == 1.0 for r in steps if "tool_calls/calculator" in r)
+    assert (out / f"checkpoint-{steps[-1]['step']}").is_dir()
+
+
+def test_tool_call_counts_read_the_step_metrics():
+    from rlfactory.engine.online.loop import tool_call_counts
+    from rlfactory.rewards.stack import FailureStreaks
+
+    metrics = {"tool_calls/mean": 0.5, "tool_calls/calculator": 3.0, "tool_calls/search": 1.0, "tool_errors/rate": 0.75}
+    assert tool_call_counts(metrics) == (4, 3)
+    assert tool_call_counts({"score/mean": 1.0}) == (0, 0)
+    streak = FailureStreaks(5)
+    assert streak.update({"tools": 4}, 4) is None and streak.update({"tools": 0}, 0) is None  # no calls: no change
+    assert streak.counts["tools"] == 4 and streak.update({"tools": 1}, 1) == "tools"
+    assert streak.update({"tools": 2}, 3) is None and streak.counts["tools"] == 0  # one call succeeded: reset

@@ -254,3 +254,10 @@ class AgentConfig(Section):
     max_tool_response_chars: int = Field(
         2000, ge=16, description="Tool results longer than this are cut before they are tokenized."
     )
+    max_tool_errors_in_a_row: int | None = Field(
+        512,
+        ge=1,
+        description="Stop the run (with a checkpoint and the last error) once this many executed tool calls in a "
+        "row failed (raised, exited, timed out) with none succeeding in between: a broken tool, not a model still "
+        "learning. Calls the model wrote badly (not parsed, unknown tool) do not count; null: never stop.",
+    )

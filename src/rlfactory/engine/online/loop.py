@@ -351,6 +351,7 @@ def _loop(run: Run, bar: Any, stop: shared.StopSignals, validates: bool) -> dict
     SIGTERM/SIGINT and when a reward function failed ``reward.max_failures_in_a_row`` calls in a row."""
     cfg, main = run.cfg, run.accelerator.is_main_process
     streaks = FailureStreaks(cfg.reward.max_failures_in_a_row)
+    tool_streak = FailureStreaks(cfg.agent.max_tool_errors_in_a_row if cfg.agent is not None else None)
     window: list[dict[str, float]] = []
     last: dict[str, float] = {}
     for index in range(run.state.step, run.total_steps):
@@ -374,12 +375,21 @@ def _loop(run: Run, bar: Any, stop: shared.StopSignals, validates: bool) -> dict
             saved = _checkpoint(run, done)
         failures = {n: int(result.metrics.get(f"reward/{n}/failures", 0)) for n in run.rewards.names}
         failing = streaks.update(failures, int(result.metrics["rollout/generated_samples"]))
+        executed, failed = tool_call_counts(result.metrics)  # over every rank's samples: every rank decides alike
+        broken_tool = tool_streak.update({"tools": failed}, executed) is not None
         signum = stop.requested(run.accelerator)
-        if failing is None and not signum or done == run.total_steps:
+        if failing is None and not broken_tool and not signum or done == run.total_steps:
             continue
         if done % cfg.logging.logging_steps:  # the step's metrics (and failure counts) reach the log first
             _log(run, {"step": done, "epoch": run.state.epoch, **_mean(window)})
         saved = saved or _checkpoint(run, done)
+        if broken_tool:
+            raise RunStopped(
+                f"tool calls failed {tool_streak.counts['tools']} times in a row (agent.max_tool_errors_in_a_row: "
+                f"{cfg.agent.max_tool_errors_in_a_row}), the last: {last_tool_error(result.samples)}; saved {saved}: "
+                "fix the tool (or raise the limit) and continue with resume_from_checkpoint=auto",
+                exit_code=2,
+            )
         if failing is not None:
             last_error = run.rewards.last_errors.get(failing, "see the log")
             raise RunStopped(
@@ -390,6 +400,23 @@ def _loop(run: Run, bar: Any, stop: shared.StopSignals, validates: bool) -> dict
             )
         raise shared.StopSignals.stopped(signum, done, saved)
     return last
+
+
+def tool_call_counts(metrics: dict[str, float]) -> tuple[int, int]:
+    """Executed tool calls of a step (well-formed calls of a known tool) and how many of them failed, read from the
+    step's episode metrics (``tool_calls/<tool>`` counts and ``tool_errors/rate``)."""
+    executed = sum(v for k, v in metrics.items() if k.startswith("tool_calls/") and k != "tool_calls/mean")
+    return int(executed), round(metrics.get("tool_errors/rate", 0.0) * executed)
+
+
+def last_tool_error(samples: list[Any]) -> str:
+    """The last failed tool call's error among the step's trained samples (for the stop message)."""
+    for sample in reversed(samples):
+        for turn in reversed(sample.example.get("agent", {}).get("turns", [])):
+            for call in reversed(turn["calls"]):
+                if call.get("tool_error"):
+                    return str(call["tool_error"])
+    return "see the log (tool calls failed: ...)"
 
 
 def _finish(run: Run, last: dict, before: dict | None, after: dict | None) -> tuple[TrainResult, dict[str, Any]]:
