@@ -189,6 +189,11 @@ def test_grpo_run_logs_traces_checkpoints_and_resumes_exactly(tmp_path: Path):
     assert all(STEP_KEYS <= set(r) for r in steps), STEP_KEYS - set(steps[0])
     assert all(isinstance(v, int | float) for r in log for v in r.values())
     assert "timing_s/ref" not in steps[0] and "timing_s/old_logprob" not in steps[0]  # no KL, one update: skipped
+    # elapsed and ETA on every step line: the WebUI's progress bar moves for online runs too
+    assert all(r["elapsed_s"] > 0 and r["eta_s"] >= 0 for r in steps) and steps[-1]["eta_s"] == 0
+    from rlfactory.webui.monitor import progress
+
+    assert progress(out, log)[1].startswith("step 3/3 (100%)")
     assert [r["step"] for r in log if "val/score" in r] == [0, 3]
     trace = [json.loads(line) for line in (out / "rollouts" / "step_00002.jsonl").read_text().splitlines()]
     assert len(trace) == 8 and {"prompt", "completion", "response_tokens", "rewards", "advantage"} <= set(trace[0])
@@ -203,7 +208,7 @@ def test_grpo_run_logs_traces_checkpoints_and_resumes_exactly(tmp_path: Path):
     _train(tmp_path, cfg, "resume_from_checkpoint=auto")
     again = [r for r in read_log(out) if "score/mean" in r]
     assert [r["step"] for r in again] == [1, 2, 3]
-    same = lambda r: {k: v for k, v in r.items() if not k.startswith(("timing_s", "perf"))}
+    same = lambda r: {k: v for k, v in r.items() if not k.startswith(("timing_s", "perf", "elapsed_s", "eta_s"))}
     assert same(again[-1]) == same(first)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -354,6 +355,7 @@ def _loop(run: Run, bar: Any, stop: shared.StopSignals, validates: bool) -> dict
     tool_streak = FailureStreaks(cfg.agent.max_tool_errors_in_a_row if cfg.agent is not None else None)
     window: list[dict[str, float]] = []
     last: dict[str, float] = {}
+    start, start_step = time.time(), run.state.step  # elapsed and ETA on each log line (the WebUI's progress bar)
     for index in range(run.state.step, run.total_steps):
         result = step(run, index)
         done = run.state.step = index + 1
@@ -364,7 +366,9 @@ def _loop(run: Run, bar: Any, stop: shared.StopSignals, validates: bool) -> dict
         bar.set_postfix(score=f"{result.metrics['score/mean']:.3f}")
         if done % cfg.logging.logging_steps == 0 or done == run.total_steps:
             last = _mean(window)
-            _log(run, {"step": done, "epoch": run.state.epoch, **last})
+            elapsed = time.time() - start
+            eta = elapsed / (done - start_step) * (run.total_steps - done)
+            _log(run, {"step": done, "epoch": run.state.epoch, **last, "elapsed_s": elapsed, "eta_s": eta})
             window = []
         if main and cfg.logging.rollout_trace_steps and (done == 1 or done % cfg.logging.rollout_trace_steps == 0):
             write_trace(run.out, f"step_{done:05d}", trace_rows(done, result.samples, result.advantages))
