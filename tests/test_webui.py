@@ -365,6 +365,39 @@ def test_bad_values_show_a_clear_error(page, app_url):
     assert not (workdir / "outputs/bad").exists()
 
 
+def test_opening_sections_of_a_blank_form_changes_nothing(page, app_url):
+    """From the blank form (no YAML loaded): a grpo run that validates still validates after every section is
+    opened; unset numbers (max_steps, clip_low, ...) stay unset instead of turning into 0 (issue 16, item 1)."""
+    stage = box(page, "field-stage")
+    stage.fill("grpo")
+    stage.press("Enter")
+    expect(page.locator("#section-rollout")).to_be_visible()
+    set_field(page, "model.name_or_path", TINY_MODEL)
+    set_field(page, "output_dir", "outputs/blank")
+    dataset = box(page, "field-data-dataset")
+    dataset.fill("arith_prompts")
+    dataset.press("Enter")
+    open_section(page, "reward")
+    set_field(page, "reward.functions", "{answer_match: 1.0}")
+    message, view = page.locator("#train-message"), page.locator("#yaml-view")
+    page.locator("#btn-validate").click()
+    expect(message).to_contain_text("valid: stage grpo", timeout=60_000)
+    for name in ("train", "data", "algorithm", "agent", "rollout", "evaluation", "logging", "model"):
+        open_section(page, name)
+    set_field(page, "output_dir", "outputs/blank2")  # the answer to the next click names it
+    page.locator("#btn-validate").click()
+    expect(message).to_contain_text("valid: stage grpo, output_dir outputs/blank2", timeout=60_000)
+    for unset in ("max_steps", "eval_steps", "save_steps", "max_samples", "clip_low", "clip_high", "clip_c"):
+        expect(view).not_to_contain_text(f"{unset}:")
+    # a typed number still counts, and text that is not one is named
+    set_field(page, "train.max_steps", 3)
+    page.locator("#btn-validate").click()
+    expect(view).to_contain_text("max_steps: 3", timeout=60_000)
+    set_field(page, "algorithm.clip_low", "abc")
+    page.locator("#btn-validate").click()
+    expect(message).to_contain_text("algorithm.clip_low: 'abc' is not a number", timeout=60_000)
+
+
 def test_runs_list_opens_an_old_run(browser, app_url):
     """A run written earlier (not by this WebUI) is listed under outputs/ and viewed like a live one."""
     url, workdir = app_url

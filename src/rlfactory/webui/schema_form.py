@@ -131,6 +131,8 @@ def to_form(spec: FieldSpec, value: Any) -> Any:
     """A YAML value -> what the field's widget shows."""
     if spec.kind in ("bool",):
         return bool(value)
+    if blank_means_default(spec):
+        return "" if value is None else str(value)
     if spec.kind in ("int", "float"):
         return value
     if spec.kind == "multi":
@@ -149,9 +151,12 @@ def from_form(spec: FieldSpec, value: Any) -> Any:
     if spec.kind == "bool":
         return bool(value)
     if spec.kind in ("int", "float"):
-        if value is None or value == "":
+        if value is None or str(value).strip() == "":
             return None
-        number = float(value)
+        try:
+            number = float(str(value).strip())
+        except ValueError:
+            raise UserError(f"{spec.path}: '{value}' is not a number (leave it blank for the default)") from None
         return int(number) if spec.kind == "int" and number.is_integer() else number
     if spec.kind == "multi":
         return list(value or [])
@@ -167,6 +172,13 @@ def from_form(spec: FieldSpec, value: Any) -> Any:
             raise UserError(f"{spec.path}: not valid YAML ({str(exc).splitlines()[0]})") from None
     text = "" if value is None else str(value)
     return None if text == "" and (spec.nullable or spec.default is None) else text
+
+
+def blank_means_default(spec: FieldSpec) -> bool:
+    """A number whose default is "unset" (max_steps, clip_low, ...): the form shows a text box, blank = unset.
+    A Gradio Number cannot stay blank: once its section is opened in the browser it reports 0, and 0 would
+    reach the YAML (or fail validation) for a field the user never touched."""
+    return spec.kind in ("int", "float") and spec.default is None
 
 
 def default_form_value(spec: FieldSpec) -> Any:

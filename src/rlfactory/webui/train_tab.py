@@ -51,6 +51,8 @@ def make_widget(spec: sf.FieldSpec) -> Any:
         choices = [_choice_label(spec, c) for c in spec.choices]
         multi = spec.kind == "multi"
         return gr.Dropdown(choices, value=value, multiselect=multi, allow_custom_value=True, **common)
+    if sf.blank_means_default(spec):
+        return gr.Textbox(value=value, lines=1, placeholder="blank: unset (the default)", **common)
     if spec.kind in ("int", "float"):
         return gr.Number(value=value, precision=0 if spec.kind == "int" else None, **common)
     return gr.Textbox(value=value, lines=1, **common)
