@@ -141,3 +141,13 @@ def test_json_schema_covers_every_section():
     for section in ("model", "lora", "data", "train", "logging", "dpo", "rollout", "reward", "algorithm"):
         assert section in schema["properties"]
     assert "description" in schema["$defs"]["TrainConfig"]["properties"]["learning_rate"]
+
+
+def test_reward_functions_by_name_weigh_one():
+    """`reward.functions: answer_match` (or a list, or `a, b`) is what users type first: each name weighs 1.0."""
+    from rlfactory.config.online_schema import RewardConfig
+
+    assert RewardConfig(functions="answer_match").functions == {"answer_match": 1.0}
+    assert RewardConfig(functions="answer_match, format_regex").functions == {"answer_match": 1.0, "format_regex": 1.0}
+    assert RewardConfig(functions=["rewards.py:score"]).functions == {"rewards.py:score": 1.0}
+    assert RewardConfig(functions={"answer_match": 0.5}).functions == {"answer_match": 0.5}

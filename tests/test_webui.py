@@ -377,11 +377,13 @@ def test_opening_sections_of_a_blank_form_changes_nothing(page, app_url):
     dataset = box(page, "field-data-dataset")
     dataset.fill("arith_prompts")
     dataset.press("Enter")
-    open_section(page, "reward")
-    set_field(page, "reward.functions", "{answer_match: 1.0}")
+    # grpo's required rewards: open from the start, and a bare name is a weight of 1.0 (issue 16, item 4)
+    expect(box(page, "field-reward-functions")).to_be_visible()
+    set_field(page, "reward.functions", "answer_match")
     message, view = page.locator("#train-message"), page.locator("#yaml-view")
     page.locator("#btn-validate").click()
     expect(message).to_contain_text("valid: stage grpo", timeout=60_000)
+    expect(view).to_contain_text("functions: answer_match")  # valid YAML for the CLI too
     for name in ("train", "data", "algorithm", "agent", "rollout", "evaluation", "logging", "model"):
         open_section(page, name)
     set_field(page, "output_dir", "outputs/blank2")  # the answer to the next click names it

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from rlfactory.config.base import Section, _as_list
 
@@ -106,8 +106,20 @@ class RewardConfig(Section):
         description="Reward functions -> weight. A name from the registry (answer_match, math_match, format_regex, "
         "think_format, json_format, length_penalty; multi-turn: tool_call_validity, tool_errors, tool_format, "
         "turn_penalty, tool_safety, env_reward) or `path/to/file.py:function`, called as "
-        "fn(prompt, completion, answer, example) -> float | dict (sync or async).",
+        "fn(prompt, completion, answer, example) -> float | dict (sync or async). A name or a list of names "
+        "(`answer_match`, `[answer_match, format_regex]`) gives each weight 1.0.",
     )
+
+    @field_validator("functions", mode="before")
+    @classmethod
+    def _names_weigh_one(cls, value: Any) -> Any:
+        """`answer_match` or `answer_match, format_regex` or a list of names: each with weight 1.0."""
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        if isinstance(value, list) and all(isinstance(name, str) for name in value):
+            return dict.fromkeys(value, 1.0)
+        return value
+
     function_args: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
         description="Extra keyword arguments per reward function, e.g. {format_regex: {pattern: '...'}}.",

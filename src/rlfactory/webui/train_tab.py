@@ -126,7 +126,11 @@ class TrainTab:
             title = f"{section.name or 'run'}: {section.description}"
             visible = not section.stages or "sft" in section.stages
             with gr.Accordion(
-                title, open=not section.name, visible=visible, elem_id=f"section-{section.name or 'run'}"
+                # the run's own keys, and ppo/grpo's rewards (required there), open from the start
+                title,
+                open=not section.name or section.name == "reward",
+                visible=visible,
+                elem_id=f"section-{section.name or 'run'}",
             ) as acc:
                 self._rows(rest)
             if section.stages:
