@@ -398,6 +398,14 @@ def test_opening_sections_of_a_blank_form_changes_nothing(page, app_url):
     set_field(page, "algorithm.clip_low", "abc")
     page.locator("#btn-validate").click()
     expect(message).to_contain_text("algorithm.clip_low: 'abc' is not a number", timeout=60_000)
+    set_field(page, "algorithm.clip_low", "")
+    # a saved YAML joins the Load list (issue 16, item 7)
+    box(page, "save-path").fill("saved/blank.yaml")
+    page.locator("#btn-save").click()
+    expect(message).to_contain_text("saved saved/blank.yaml", timeout=60_000)
+    box(page, "load-path").click()
+    expect(page.get_by_role("option", name="saved/blank.yaml")).to_be_visible(timeout=10_000)
+    expect(page.get_by_role("option").first).to_contain_text("examples/quickstart/pt.yaml")
 
 
 def test_runs_list_opens_an_old_run(browser, app_url):
@@ -732,3 +740,20 @@ def test_cli_webui_options():
     assert _parser().parse_args(["webui", "--share", "true", "--port", "8000"]).share is True
     args = _parser().parse_args(["webui", "--allow-read", "a", "--allow-read", "b", "--insecure", "--workspace", "w"])
     assert (args.allow_read, args.insecure, args.workspace) == (["a", "b"], True, "w")
+
+
+def test_load_list_offers_quickstarts_first_then_saved_yamls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Issue 16, item 7: the bundled quickstarts (runnable offline) head the Load list, YAMLs saved from the page
+    follow, then the real-model examples."""
+    pytest.importorskip("gradio", reason="the WebUI needs the webui extra (gradio)")
+    from rlfactory.webui import train_tab
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    (tmp_path / "outputs/webui").mkdir(parents=True)
+    (tmp_path / "outputs/webui/mine.yaml").write_text("stage: sft\n")
+    monkeypatch.setattr(train_tab, "_SAVED", ["saved/quick.yaml"])
+    names = train_tab.example_yamls()
+    quick = [f"examples/quickstart/{s}.yaml" for s in ("pt", "sft", "rm", "dpo", "kto", "orpo", "grpo", "pipeline")]
+    assert names[: len(quick) + 2] == [*quick, "saved/quick.yaml", "outputs/webui/mine.yaml"]
+    assert "examples/sft/qwen2.5_0.5b_lora.yaml" in names[len(quick) + 2 :] and len(names) == len(set(names))

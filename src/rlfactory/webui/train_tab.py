@@ -58,8 +58,21 @@ def make_widget(spec: sf.FieldSpec) -> Any:
     return gr.Textbox(value=value, lines=1, **common)
 
 
+SAVED_DIR = "outputs/webui"  # where Save YAML writes by default
+_SAVED: list[str] = []  # YAMLs saved by this WebUI process (any path), offered for loading
+
+
 def example_yamls() -> list[str]:
-    return sorted(str(p) for p in Path(EXAMPLES_DIR).rglob("*.yaml"))
+    """The Load list: the bundled quickstarts first (runnable offline, in stage order), then the YAMLs saved here,
+    then the real-model examples."""
+    from rlfactory.config.schema import STAGES
+
+    quick = Path(EXAMPLES_DIR) / "quickstart"
+    order = {stage: i for i, stage in enumerate(STAGES)}
+    quickstarts = sorted((str(p) for p in quick.glob("*.yaml")), key=lambda p: (order.get(Path(p).stem, 99), p))
+    saved = [*_SAVED, *(str(p) for p in sorted(Path(SAVED_DIR).glob("*.y*ml")))]
+    rest = sorted(str(p) for p in Path(EXAMPLES_DIR).rglob("*.yaml") if quick not in p.parents)
+    return list(dict.fromkeys([*quickstarts, *saved, *rest]))
 
 
 def stop_message(output_dir: str) -> str:
@@ -148,7 +161,7 @@ class TrainTab:
                 example_yamls(), label="YAML to load", allow_custom_value=True, elem_id="load-path", scale=3
             )
             self.load_btn = gr.Button("Load YAML", elem_id="btn-load", scale=1)
-            self.save_path = gr.Textbox("outputs/webui/run.yaml", label="save to", elem_id="save-path", scale=3)
+            self.save_path = gr.Textbox(f"{SAVED_DIR}/run.yaml", label="save to", elem_id="save-path", scale=3)
             self.save_btn = gr.Button("Save YAML", elem_id="btn-save", scale=1)
         self.message = gr.Markdown(elem_id="train-message")
         self.yaml_view = gr.Code(language="yaml", label="run YAML", elem_id="yaml-view", interactive=False)
@@ -182,16 +195,19 @@ class TrainTab:
             return error_md(exc), gr.skip()
         return f"✓ valid: stage {config.stage}, output_dir `{config.output_dir}`", sf.raw_to_yaml(raw)
 
-    def on_save(self, path: str, *values: Any) -> str:
+    def on_save(self, path: str, *values: Any) -> tuple[str, Any]:
         try:
             text = sf.raw_to_yaml(self.raw(values))
-            shown = path.strip() or "outputs/webui/run.yaml"
+            shown = path.strip() or f"{SAVED_DIR}/run.yaml"
             target = save_target(shown)
         except UserError as exc:
-            return error_md(exc)
+            return error_md(exc), gr.skip()
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text)
-        return f"✓ saved `{shown}` (run it with `rlfactory train {shown}`)"
+        if shown not in _SAVED:
+            _SAVED.append(shown)
+        message = f"✓ saved `{shown}` (run it with `rlfactory train {shown}`)"
+        return message, gr.Dropdown(choices=example_yamls())  # the saved file joins the Load list
 
     def on_load(self, path: str) -> list[Any]:
         from rlfactory.config.loader import read_yaml
@@ -239,7 +255,7 @@ class TrainTab:
         self.widgets["stage"].change(self.stage_visibility, self.widgets["stage"], list(self.stage_groups.values()))
         self.preview_btn.click(self.on_preview_yaml, inputs, [self.message, self.yaml_view])
         self.validate_btn.click(self.on_validate, inputs, [self.message, self.yaml_view])
-        self.save_btn.click(self.on_save, [self.save_path, *inputs], self.message)
+        self.save_btn.click(self.on_save, [self.save_path, *inputs], [self.message, self.load_path])
         self.load_btn.click(self.on_load, self.load_path, [*inputs, *self.stage_groups.values(), self.message])
         for button, delta in ((self.show_btn, 0), (self.prev_btn, -1), (self.next_btn, 1)):
             button.click(
