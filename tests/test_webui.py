@@ -505,7 +505,7 @@ def test_stop_refuses_a_process_it_did_not_start(page, app_url):
         page.get_by_role("tab", name="Monitor").click()
         box(page, "monitor-run").fill("outputs/forged")
         box(page, "monitor-run").press("Enter")
-        _message(page, "monitor-stop", "monitor-status", f"refused to stop process {sleeper.pid}")
+        _message(page, "monitor-stop", "monitor-stop-message", f"refused to stop process {sleeper.pid}")
         page.get_by_role("tab", name="Train").click()
         set_field(page, "output_dir", "outputs/forged")
         _message(page, "btn-stop", "train-message", f"refused to stop process {sleeper.pid}")

@@ -37,6 +37,8 @@ class MonitorTab:
             )
             self.refresh_btn = gr.Button("↻ refresh runs", size="sm", scale=1, elem_id="monitor-refresh")
             self.stop_btn = gr.Button("Stop this run", variant="stop", size="sm", scale=1, elem_id="monitor-stop")
+        # Stop answers in its own line: the status line is redrawn by the timer and would hide the answer
+        self.stop_message = gr.Markdown(elem_id="monitor-stop-message")
         self.status = gr.Markdown("pick a run, or press Start on the Train tab", elem_id="monitor-status")
         self.progress = gr.HTML(elem_id="monitor-progress")
         self.charts = []
@@ -103,6 +105,6 @@ class MonitorTab:
         outputs = self.outputs()
         self.timer.tick(self.update, [self.run, self.fingerprint], outputs, show_progress="hidden")
         self.run.change(lambda run: self.update(run, None), self.run, outputs, show_progress="hidden")
-        self.stop_btn.click(self.on_stop, self.run, self.status)
+        self.stop_btn.click(self.on_stop, self.run, self.stop_message)
         self.refresh_btn.click(self.on_refresh, None, [self.run, self.runs])
         self.runs.select(self.on_select, self.runs, self.run)
