@@ -14,7 +14,8 @@ instead of Liger's kernel for the chunked LM-head log-probs), and TRL:
 Levers under test append to an ``ours*`` name: ``-c8192`` (LM-head rows per chunk in sft's loss; default:
 a 1.25 GB logits budget), ``-autotune`` / ``-cudagraphs`` (the per-layer compile in mode
 max-autotune-no-cudagraphs / reduce-overhead), ``-decoder`` (the whole decoder compiled as one graph),
-``-mem`` (GPU memory after the forward, after the loss and at the backward's peak, per step).
+``-mem`` (GPU memory after the forward, after the loss and at the backward's peak, per step), ``-ddpsplit``
+(dynamo's DDP graph split left on: each compiled layer cut at the gradient buckets, as before the change).
 ``--profile`` writes each worker's kernel-time table (torch.profiler) to $OUT.
 
 Each (case, impl) runs in its own subprocess (a fresh CUDA context, so peak memory is its own); with
@@ -217,6 +218,10 @@ def run_ours(args, model, tokenizer, sequences, out: str) -> tuple[list[float], 
             from rlfactory.engine import shared
 
             shared.compile_layers = _compile_decoder
+        elif variant == "ddpsplit":  # dynamo's DDP graph split left on (before the seventh session's change)
+            from rlfactory.engine import shared
+
+            shared.keep_layer_graphs_whole = lambda: None
         elif variant == "mem":
             parts.loss_fn = _memory_phases(model, parts.loss_fn)
     stage = args.case.split("_")[0]
@@ -430,7 +435,7 @@ def worker(args) -> None:
     if int(os.environ.get("RANK", "0")) != 0:
         return
     if args.profile:
-        path = Path(os.environ.get("OUT", ".")) / f"profile_{args.case}_{args.impl}.txt"
+        path = Path(os.environ.get("OUT", ".")) / f"profile_{args.case}_{args.impl}_{world}gpu.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
         table = profiler.key_averages().table(
             sort_by="self_device_time_total" if args.device == "cuda" else "self_cpu_time_total",

@@ -306,6 +306,20 @@ def test_torchrun_arguments():
     assert torchrun_argv(DistributedConfig(num_processes="auto"), [])[2] == "--nproc_per_node=1"  # no GPU here
 
 
+def test_launched_processes_share_the_cores_unless_the_user_set_omp_threads(monkeypatch):
+    """torchrun gives each process 1 CPU thread when OMP_NUM_THREADS is unset; the self-launch shares the usable
+    cores out instead (1 each on a 2-core machine with 2 processes), and leaves a value the user set alone."""
+    from rlfactory.launch import cpu_threads_per_process
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(64)), raising=False)
+    assert [cpu_threads_per_process(n) for n in (1, 4, 8, 128)] == [64, 16, 8, 1]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)
+    assert cpu_threads_per_process(2) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_threads_per_process(2) is None
+
+
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
 @pytest.mark.parametrize("strategy", ["zero2", "zero3", "zero3_offload"])
 def test_bundled_deepspeed_configs_fill_from_the_run(strategy: str):

@@ -102,11 +102,18 @@ def _run_in_process(cfg: dict) -> Path:
 def test_batch_times_accumulation_invariance(sft_config: dict, tmp_path: Path):
     """batch 8 x accum 1 and batch 2 x accum 4 give the same loss and weights (TRL's invariance test)."""
     common = {"max_samples": 32, "shuffle": False}
-    one = {**sft_config, "output_dir": str(tmp_path / "a"), "model": {**sft_config["model"], "finetuning": "full"},
-           "data": {**sft_config["data"], **common},
-           "train": {"max_steps": 3, "per_device_batch_size": 8, "grad_accum_steps": 1, "learning_rate": 1e-3}}
-    four = {**one, "output_dir": str(tmp_path / "b"),
-            "train": {**one["train"], "per_device_batch_size": 2, "grad_accum_steps": 4}}
+    one = {
+        **sft_config,
+        "output_dir": str(tmp_path / "a"),
+        "model": {**sft_config["model"], "finetuning": "full"},
+        "data": {**sft_config["data"], **common},
+        "train": {"max_steps": 3, "per_device_batch_size": 8, "grad_accum_steps": 1, "learning_rate": 1e-3},
+    }
+    four = {
+        **one,
+        "output_dir": str(tmp_path / "b"),
+        "train": {**one["train"], "per_device_batch_size": 2, "grad_accum_steps": 4},
+    }
     a, b = _losses(_run_in_process(one)), _losses(_run_in_process(four))
     assert a.keys() == b.keys() == {1, 2, 3}
     for step in a:
@@ -117,10 +124,18 @@ def test_batch_times_accumulation_invariance(sft_config: dict, tmp_path: Path):
 
 @pytest.mark.slow
 def test_killed_run_resumes_from_checkpoint(sft_config: dict, tmp_path: Path):
-    cfg = {**sft_config, "model": {**sft_config["model"], "finetuning": "full"},
-           "data": {**sft_config["data"], "shuffle": True},
-           "train": {**sft_config["train"], "max_steps": 8, "save_steps": 2, "per_device_batch_size": 4,
-                     "save_total_limit": 2}}
+    cfg = {
+        **sft_config,
+        "model": {**sft_config["model"], "finetuning": "full"},
+        "data": {**sft_config["data"], "shuffle": True},
+        "train": {
+            **sft_config["train"],
+            "max_steps": 8,
+            "save_steps": 2,
+            "per_device_batch_size": 4,
+            "save_total_limit": 2,
+        },
+    }
     reference = {**cfg, "output_dir": str(tmp_path / "ref")}
     write_yaml(tmp_path / "ref.yaml", reference)
     assert run_cli("train", str(tmp_path / "ref.yaml")).returncode == 0
@@ -128,8 +143,13 @@ def test_killed_run_resumes_from_checkpoint(sft_config: dict, tmp_path: Path):
     killed = {**cfg, "output_dir": str(tmp_path / "killed")}
     write_yaml(tmp_path / "killed.yaml", killed)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "rlfactory", "train", str(tmp_path / "killed.yaml")], cwd=ROOT,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlfactory", "train", str(tmp_path / "killed.yaml")],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     state = tmp_path / "killed" / "checkpoint-4" / "trainer_state.json"
     deadline = time.time() + 300
     while not state.exists() and proc.poll() is None and time.time() < deadline:
@@ -181,6 +201,57 @@ def test_compile_layers_finds_the_decoder_stack_under_peft():
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL)
     layers = model.config.num_hidden_layers
     assert compile_layers(apply_lora(model, LoraConfig(), False)) == layers
+
+
+def test_compiled_layers_stay_whole_graphs_inside_ddp(monkeypatch):
+    """Under DDP, dynamo splits a graph compiled inside DDP's forward at each gradient bucket (25 MB) -- cutting our
+    per-layer graphs into pieces that fuse worse, for no overlap a layer-by-layer backward lacks. With
+    ``train.torch_compile`` on several processes the split is switched off: here on a 1-process gloo group, 1 MB
+    buckets and 4 MB layers, dynamo's DDP optimizer splits each layer's graph before and never after."""
+    import torch._dynamo
+    import torch.distributed as dist
+    from torch._dynamo.backends.distributed import DDPOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    from rlfactory.engine.shared import keep_layer_graphs_whole
+
+    class Block(torch.nn.Module):  # a residual MLP, a decoder layer's shape in small
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 512)
+
+        def forward(self, x):
+            return x + self.down(torch.relu(self.up(x)))
+
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x.sum()
+
+    splits = []
+    split = DDPOptimizer.compile_fn
+    monkeypatch.setattr(DDPOptimizer, "compile_fn", lambda self, *a, **k: splits.append(1) or split(self, *a, **k))
+    monkeypatch.setattr(torch._dynamo.config, "optimize_ddp", True)  # torch's default; restored after the test
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for whole in (False, True):
+            torch._dynamo.reset()
+            if whole:
+                keep_layer_graphs_whole()
+            model = Stack()
+            for layer in model.layers:
+                layer.compile(backend="eager")  # the backend does not matter to the split; eager is quick on a CPU
+            DistributedDataParallel(model, bucket_cap_mb=1)(torch.randn(2, 512)).backward()
+            assert (len(splits) > 0) is not whole, f"whole={whole}: {len(splits)} split graphs"
+            splits.clear()
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
 
 
 def test_eval_metrics_are_means_over_the_whole_eval_set_not_over_batches():

@@ -46,6 +46,16 @@ def torchrun_argv(dist: DistributedConfig, train_args: list[str]) -> list[str]:
     return [*nodes, f"--nproc_per_node={num_processes(dist)}", "-m", "rlfactory", "train", *train_args]
 
 
+def cpu_threads_per_process(nproc: int) -> int | None:
+    """``OMP_NUM_THREADS`` for each of ``nproc`` processes on this node: this machine's usable cores shared out, or
+    None when the user set it. torchrun sets 1 when it is unset, which slowed each GPU's step of dpo LoRA by 8%
+    against 16 threads (4 H200s, docs/BENCHMARKS.md): the CPU side of a step runs on torch's intra-op threads too."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, nproc))
+
+
 def preflight(config: RunConfig | PipelineConfig) -> None:
     """What every process would check before loading a model, done once here: raises UserError."""
     from rlfactory.config.schema import PipelineConfig
@@ -89,7 +99,10 @@ def maybe_launch(config: RunConfig | PipelineConfig, train_args: list[str]) -> i
     from torch.distributed.run import get_args_parser, run
 
     argv = torchrun_argv(dist, train_args)
-    print(f"launching: torchrun {' '.join(argv)}", flush=True)
+    threads = cpu_threads_per_process(num_processes(dist))
+    if threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # torchrun keeps a value it finds, and passes it on
+    print(f"launching: torchrun {' '.join(argv)} (OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']})", flush=True)
     try:
         run(get_args_parser().parse_args(argv))
     except ChildFailedError as exc:

@@ -228,7 +228,10 @@ def prepare_model(accelerator: Accelerator, model: Any, *others: Any, torch_comp
     import logging
 
     if torch_compile:
-        logging.getLogger(__name__).info("torch.compile: %d layers", compile_layers(model))
+        compiled = compile_layers(model)
+        logging.getLogger(__name__).info("torch.compile: %d layers", compiled)
+        if compiled > 1:
+            keep_layer_graphs_whole()
     prepared = accelerator.prepare(model, *others)
     prepared = tuple(prepared) if isinstance(prepared, tuple | list) else (prepared,)  # fsdp2 returns a list
     unwrapped = accelerator.unwrap_model(prepared[0], keep_fp32_wrapper=False)
@@ -253,6 +256,21 @@ def compile_layers(model: Any) -> int:
     for block in blocks or [model]:
         block.compile()
     return len(blocks) or 1
+
+
+def keep_layer_graphs_whole() -> None:
+    """Compile each layer as one graph under DDP too.
+
+    Dynamo's DDP optimizer splits any graph compiled inside DDP's forward at the gradient buckets' boundaries (25 MB)
+    so that the all-reduce of one bucket can start while the rest of the graph's backward runs. Our graphs are
+    single layers, whose backward ends -- and fires DDP's per-parameter hooks -- layer by layer anyway, so the split
+    buys no overlap; it only cuts each layer into pieces that fuse and schedule worse. Process-wide (it is dynamo's
+    global switch), and only for per-layer graphs: a model compiled whole keeps the split, its only overlap. A no-op
+    on one process, where nothing runs inside DDP.
+    """
+    import torch._dynamo
+
+    torch._dynamo.config.optimize_ddp = False
 
 
 def autocast_forward(accelerator: Accelerator, model: Any) -> contextlib.ExitStack:
