@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("rollout",),
     ("engine",),
     ("stages",),
+    ("use",),
     ("cli", "launch", "webui", "__main__"),
 ]
 

@@ -12,12 +12,13 @@ import json
 import re
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import yaml
 
 from rlfactory.errors import UserError
+from rlfactory.use import source as source_module
+from rlfactory.use.source import ModelSource, load_source
 from rlfactory.webui import workspace
 
 # a call cut off by max_new_tokens has no closing tag: it runs to the end of the text
@@ -33,16 +34,6 @@ CALCULATOR_TOOL = {
 
 
 @dataclass
-class ModelSource:
-    """What to load: a base model, the adapters merged into it, and the template."""
-
-    base: str
-    adapters: list[str]
-    template: str | None
-    tokenizer_from: str
-
-
-@dataclass
 class Loaded:
     source: ModelSource
     model: Any
@@ -53,58 +44,24 @@ _CURRENT: dict[str, Loaded] = {}
 _LOCK = threading.Lock()
 
 
-def _run_config(folder: Path) -> dict[str, Any]:
-    try:
-        raw = yaml.safe_load((folder / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return {}
-    return raw.get("model") or {} if isinstance(raw, dict) else {}
+def _workspace_check(path: str, what: str) -> None:
+    """The page reads only from the workspace's allowed roots (a Hub name passes: it is not a path)."""
+    ws = workspace.current()
+    if what == "model":
+        ws.readable(path, what)
+    else:
+        ws.readable_model(path, what)
 
 
 def resolve_source(path: str, base: str = "", template: str = "") -> ModelSource:
-    """A model dir, an adapter dir or a run's output dir -> base + adapters + template.
-
-    For an adapter, the base is (in order) ``base`` if given, the run's config.yaml, or the adapter's
-    own ``base_model_name_or_path``; adapters the run itself started from are merged first. Every local
-    path (given or read from the run) must be readable in the workspace.
-    """
-    if path.strip():
-        workspace.current().readable(path.strip(), "model")
-    folder = Path(path.strip()).expanduser()
-    if not path.strip() or not folder.is_dir():
-        raise UserError(f"'{path}' is not a directory: give a model dir, a LoRA adapter dir or a run's output dir")
-    run_model = _run_config(folder)
-    chosen_template = template or run_model.get("template") or None
-    if not (folder / "adapter_config.json").is_file():
-        if not (folder / "config.json").is_file():
-            raise UserError(f"'{path}' holds neither a model (config.json) nor a LoRA adapter (adapter_config.json)")
-        return ModelSource(str(folder), [], chosen_template, str(folder))
-    adapter_cfg = json.loads((folder / "adapter_config.json").read_text())
-    base_path = base.strip() or run_model.get("name_or_path") or adapter_cfg.get("base_model_name_or_path")
-    if not base_path:
-        raise UserError(f"'{path}' is a LoRA adapter without a known base model: fill in the base model")
-    earlier = [] if base.strip() else list(run_model.get("adapter_paths") or [])
-    workspace.check_sources(str(base_path), earlier, None)
-    has_tokenizer = (folder / "tokenizer_config.json").is_file()
-    return ModelSource(
-        str(base_path), [*earlier, str(folder)], chosen_template, str(folder if has_tokenizer else base_path)
-    )
-
-
-def _load(source: ModelSource) -> tuple[Any, Any]:
-    from rlfactory.config.schema import FreezeConfig, LoraConfig, ModelConfig
-    from rlfactory.model.loader import load_model, load_tokenizer
-
-    tokenizer = load_tokenizer(ModelConfig(name_or_path=source.tokenizer_from, template=source.template))
-    cfg = ModelConfig(name_or_path=source.base, adapter_paths=source.adapters, template=source.template)
-    model = load_model(cfg, LoraConfig(), FreezeConfig(), trainable=False)
-    return model, tokenizer
+    """``use.source.resolve_source`` with every path checked against the workspace."""
+    return source_module.resolve_source(path, base, template, check=_workspace_check)
 
 
 def load(path: str, base: str = "", template: str = "") -> str:
     """Load (and keep) the chat model; returns a description for the page."""
     source = resolve_source(path, base, template)
-    model, tokenizer = _load(source)
+    model, tokenizer = load_source(source)
     with _LOCK:
         _CURRENT["chat"] = Loaded(source, model, tokenizer)
     params = sum(p.numel() for p in model.parameters())
@@ -181,7 +138,7 @@ def export_merged(path: str, base: str, out_dir: str, template: str = "", overwr
         raise UserError(f"'{path}' is already a full model (no adapter_config.json): nothing to merge")
     if target.exists() and any(target.iterdir()) and not overwrite:
         raise UserError(f"export folder '{out_dir}' is not empty; tick overwrite or choose another folder")
-    model, tokenizer = _load(source)
+    model, tokenizer = load_source(source)
     target.mkdir(parents=True, exist_ok=True)
     save_model(model, tokenizer, target)
     size = sum(f.stat().st_size for f in target.iterdir() if f.is_file())
