@@ -240,6 +240,31 @@ def test_an_environment_that_raises_or_exits_ends_its_episode_not_the_run(tokeni
     assert episode_metrics([{"agent": res.summary()}])["finish/env_error"] == 1.0
 
 
+def test_an_environment_step_that_hangs_times_out_and_a_plain_one_is_flagged(tokenizer, calc, tmp_path):
+    """agent.env_step_timeout_s: an async step awaiting forever is cancelled; a plain step spinning in a CPU loop
+    cannot be, so its episode is flagged ``env_hung`` (the online loop then stops the run). Both end their episode
+    with the timeout as env_error, and the loop returns promptly (the spinning thread is a daemon: it never keeps
+    the process from exiting)."""
+    import time
+
+    env_file = tmp_path / "hangs.py"
+    env_file.write_text(
+        "import asyncio\nfrom rlfactory.envs.base import ToolEnv\n"
+        "class Waits(ToolEnv):\n    async def step(self, message, calls):\n        await asyncio.sleep(3600)\n"
+        "class Spins(ToolEnv):\n    def step(self, message, calls):\n        while True:\n            pass\n"
+    )
+    for name, hung in (("Waits", False), ("Spins", True)):
+        backend = ScriptedBackend(tokenizer, {"Q": THREE_TURNS})
+        factory = build_env_factory(f"{env_file}:{name}", calc, ExecLimits(), {})
+        loop = AgentLoop(backend, tokenizer, calc, AgentSettings(4, env_step_timeout_s=0.5), factory)
+        start = time.monotonic()
+        [res] = loop.run([_example(tokenizer, "Q")], SamplingParams(400))
+        assert time.monotonic() - start < 30
+        assert res.finish == "env_error" and "agent.env_step_timeout_s (0.5 s)" in res.turns[-1]["env_error"]
+        assert res.turns[-1]["env_hung"] is hung
+        assert episode_metrics([{"agent": res.summary()}])["env/hung_steps"] == float(hung)
+
+
 def test_agent_rewards_read_the_episode(tokenizer, calc):
     from rlfactory.rewards.builtin import REWARD_FUNCTIONS
 

@@ -224,6 +224,39 @@ def test_a_tool_failing_in_a_row_stops_the_run_with_a_checkpoint_and_its_error(t
     assert (out / f"checkpoint-{steps[-1]['step']}").is_dir()
 
 
+SPINNING_ENV = """
+from rlfactory.envs.base import ToolEnv
+
+
+class Spins(ToolEnv):
+    def step(self, message, calls):
+        if calls:  # the first tool call hangs the step in a CPU-bound loop
+            while True:
+                pass
+        return super().step(message, calls)
+"""
+
+
+@pytest.mark.slow
+def test_an_environment_step_that_hangs_stops_the_run_with_a_checkpoint(tmp_path: Path):
+    """A plain (not async) environment step that spins past agent.env_step_timeout_s cannot be stopped in-process:
+    the run stops after that step with a checkpoint and a message naming the setting, exit 2, no traceback (and
+    the process exits although the step's thread still spins)."""
+    env = tmp_path / "spins.py"
+    env.write_text(SPINNING_ENV)
+    cfg = tools_config(tmp_path, agent={"env": f"{env}:Spins", "env_step_timeout_s": 1.0, "max_turns": 2})
+    cfg["model"]["name_or_path"] = str(ROOT / "data" / "models" / "tiny-arith-tools")  # calls the calculator
+    cfg["train"]["max_steps"] = 6
+    cfg.pop("evaluation")
+    result = run_cli("train", str(write_yaml(tmp_path / "run.yaml", cfg)))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "ran past agent.env_step_timeout_s (1 s)" in result.stderr and "Traceback" not in result.stderr
+    out = Path(cfg["output_dir"])
+    steps = [r for r in read_log(out) if "score/mean" in r]
+    assert steps and steps[-1]["env/hung_steps"] > 0 and steps[-1]["step"] < 6
+    assert (out / f"checkpoint-{steps[-1]['step']}").is_dir()
+
+
 def test_tool_call_counts_read_the_step_metrics():
     from rlfactory.engine.online.loop import tool_call_counts
     from rlfactory.rewards.stack import FailureStreaks

@@ -261,6 +261,12 @@ class AgentConfig(Section):
         description="Generated tokens per assistant turn (default: what is left of rollout.max_response_len).",
     )
     tool_timeout_s: float = Field(10.0, gt=0, description="A tool call slower than this returns a timeout error.")
+    env_step_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="An `env` step slower than this ends its episode (env_error). A plain (not async) step that "
+        "hangs keeps its thread busy, so the run then stops with a checkpoint.",
+    )
     max_concurrency: int = Field(16, ge=1, description="Tool calls running at once (over all conversations).")
     tool_memory_mb: int = Field(1024, ge=64, description="Address-space limit of runs_code tool subprocesses.")
     max_tool_response_chars: int = Field(

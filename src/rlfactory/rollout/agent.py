@@ -16,8 +16,10 @@ Each live conversation's next turn is generated in ONE batched backend call per 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -77,6 +79,7 @@ class AgentSettings:
     max_turns: int = 4
     parser: str = "hermes"
     max_tokens_per_turn: int | None = None
+    env_step_timeout_s: float = 60.0
 
 
 def _log_failures(convs: list[Conversation]) -> None:
@@ -92,6 +95,32 @@ def _log_failures(convs: list[Conversation]) -> None:
         log.warning(
             "environment steps raised in %d/%d episodes (first: %s)", len(env_errors), len(convs), env_errors[0]
         )
+
+
+def _in_daemon_thread(lock: threading.Lock, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+    """``fn(*args)`` in a daemon thread (holding ``lock``), as a future of the running loop.
+
+    A thread rather than ``run_in_executor``: a step that hangs cannot be killed in-process, and the executor's
+    threads are joined at interpreter exit, so one hung step would keep the finished run from ever exiting.
+    """
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(value)
+
+    def work() -> None:
+        with lock:
+            try:
+                value, error = fn(*args), None
+            except BaseException as exc:  # SystemExit too: reported as the episode's env_error
+                value, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop closed: the step was given up already
+            loop.call_soon_threadsafe(settle, value, error)
+
+    threading.Thread(target=work, daemon=True, name="env-step").start()
+    return future
 
 
 class AgentLoop:
@@ -171,10 +200,24 @@ class AgentLoop:
             conv.finish = "length"
 
     async def _step_all(self, convs: list[Conversation]) -> list[StepResult]:
+        """Every live conversation's environment step, concurrently; a step that raises or runs past
+        ``env_step_timeout_s`` ends its episode (``env_error``), never the run."""
+        timeout = self.settings.env_step_timeout_s
+        plain_steps = threading.Lock()  # plain (not async) steps run one at a time, as they did on the event loop
+
         async def one(conv: Conversation) -> StepResult:
+            is_async = inspect.iscoroutinefunction(conv.env.step)
             try:
-                outcome = conv.env.step(conv.messages[-1], conv.pending)
+                if is_async:  # cancelled at its next await when late
+                    return await asyncio.wait_for(conv.env.step(conv.messages[-1], conv.pending), timeout)
+                running = _in_daemon_thread(plain_steps, conv.env.step, conv.messages[-1], conv.pending)
+                outcome = await asyncio.wait_for(running, timeout)
                 return await outcome if inspect.isawaitable(outcome) else outcome
+            except TimeoutError:
+                turn = conv.turns[-1]
+                turn["env_error"] = f"the environment's step ran past agent.env_step_timeout_s ({timeout:g} s)"
+                turn["env_hung"] = not is_async  # its thread cannot be stopped: the online loop stops the run
+                return StepResult([], True)
             except (Exception, SystemExit) as exc:  # a user environment's bug ends its episode, never the run
                 conv.turns[-1]["env_error"] = f"{type(exc).__name__}: {exc}"
                 return StepResult([], True)
@@ -325,7 +368,7 @@ def build_rollouts(cfg: RunConfig, model: Any, tokenizer: Any) -> Rollouts:
     tools = load_tools(cfg.tools)
     limits = ExecLimits(ag.tool_timeout_s, ag.max_concurrency, ag.tool_memory_mb, ag.max_tool_response_chars)
     factory = build_env_factory(ag.env or "tools", tools, limits, ag.env_args)
-    settings = AgentSettings(ag.max_turns, ag.parser, ag.max_tokens_per_turn)
+    settings = AgentSettings(ag.max_turns, ag.parser, ag.max_tokens_per_turn, ag.env_step_timeout_s)
     return Rollouts(backend, AgentLoop(backend, tokenizer, tools, settings, factory))
 
 
@@ -344,6 +387,7 @@ def episode_metrics(examples: list[dict], prefix: str = "") -> dict[str, float]:
         "tool_calls/mean": len(calls) / len(episodes),
         "tool_errors/rate": sum(c.get("tool_error") is not None for c in executed) / max(len(executed), 1),
         "invalid_calls/rate": (len(calls) - len(executed)) / max(len(calls), 1),
+        "env/hung_steps": float(sum(bool(t.get("env_hung")) for ep in episodes for t in ep["turns"])),
     }
     for call in executed:
         key = f"tool_calls/{call['name']}"

@@ -381,12 +381,21 @@ def _loop(run: Run, bar: Any, stop: shared.StopSignals, validates: bool) -> dict
         failing = streaks.update(failures, int(result.metrics["rollout/generated_samples"]))
         executed, failed = tool_call_counts(result.metrics)  # over every rank's samples: every rank decides alike
         broken_tool = tool_streak.update({"tools": failed}, executed) is not None
+        hung_env = result.metrics.get("env/hung_steps", 0.0) > 0  # reduced over ranks: every rank stops alike
         signum = stop.requested(run.accelerator)
-        if failing is None and not broken_tool and not signum or done == run.total_steps:
+        if failing is None and not broken_tool and not hung_env and not signum or done == run.total_steps:
             continue
         if done % cfg.logging.logging_steps:  # the step's metrics (and failure counts) reach the log first
             _log(run, {"step": done, "epoch": run.state.epoch, **_mean(window)})
         saved = saved or _checkpoint(run, done)
+        if hung_env:
+            raise RunStopped(
+                f"an environment step (agent.env: {cfg.agent.env}) ran past agent.env_step_timeout_s "
+                f"({cfg.agent.env_step_timeout_s:g} s); its thread cannot be stopped and would keep using the CPU, so "
+                f"the run stopped; saved {saved}: fix the step (or make it async, or raise the timeout) and continue "
+                "with resume_from_checkpoint=auto",
+                exit_code=2,
+            )
         if broken_tool:
             raise RunStopped(
                 f"tool calls failed {tool_streak.counts['tools']} times in a row (agent.max_tool_errors_in_a_row: "
