@@ -91,6 +91,19 @@ def _parser() -> argparse.ArgumentParser:
         help="serve a non-loopback --host or --share without a password (anyone who can reach it can "
         "read and write the workspace and start runs)",
     )
+    export = sub.add_parser("export", help="write a model, adapter or run's result as a HF folder (merged or adapter)")
+    export.add_argument("path", help="a model dir, a LoRA adapter dir or a run's output dir")
+    export.add_argument("--to", required=True, metavar="DIR", help="the folder to write (new or empty)")
+    export.add_argument("--base", default="", help="base model of an adapter (default: the run's or the adapter's)")
+    export.add_argument(
+        "--template", default="", help="chat template to save (default: the run's, else the tokenizer's)"
+    )
+    export.add_argument(
+        "--adapter-only", action="store_true", help="copy the adapter alone, with tokenizer and template"
+    )
+    export.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (default 2GB)")
+    export.add_argument("--overwrite", action="store_true", help="replace an earlier export in DIR")
+    export.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="also upload DIR to this Hub repo")
     sub.add_parser("env", help="print versions of the stack and GPU info")
     sub.add_parser("version", help="print the rlfactory version")
     return parser
@@ -192,6 +205,12 @@ def cmd_webui(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from rlfactory.use.export import run_cli
+
+    return run_cli(args)
+
+
 def cmd_env(_: argparse.Namespace) -> int:
     from importlib import metadata
 
@@ -235,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     _setup_logging()
     handlers = {"train": cmd_train, "config": cmd_config, "convert": cmd_convert, "webui": cmd_webui, "env": cmd_env}
+    handlers["export"] = cmd_export
     try:
         return handlers[args.command](args)
     except UserError as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,6 +42,29 @@ STAGES: tuple[str, ...] = ("pt", "sft", "rm", "dpo", "kto", "orpo", "ppo", "grpo
 
 
 # --------------------------------------------------------------------------- shared sections
+QUANT_STAGES = ("pt", "sft", "dpo", "kto", "orpo", "grpo")  # the stages QLoRA is wired and tested for
+
+
+class QuantizationConfig(Section):
+    """QLoRA: the frozen base loaded in 4 or 8 bits (bitsandbytes, a CUDA GPU), LoRA adapters trained on top."""
+
+    bits: Literal[4, 8] = Field(4, description="4 (QLoRA's NF4/FP4) or 8 (LLM.int8) bits per base weight.")
+    quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4 bits: the data type (nf4 as in QLoRA, or fp4).")
+    double_quant: bool = Field(True, description="4 bits: also quantize the quantization constants (~0.4 bit/weight).")
+    compute_dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16",
+        description="4 bits: the dtype the dequantized weights are multiplied in (and the dtype of the rest).",
+    )
+
+    @model_validator(mode="after")
+    def _four_bit_keys(self) -> QuantizationConfig:
+        """8 bits has no data type, double quantization or compute dtype: setting them would change nothing."""
+        given = sorted(self.model_fields_set & {"quant_type", "double_quant", "compute_dtype"})
+        if self.bits == 8 and given:
+            raise ValueError(f"{', '.join(given)}: for bits: 4 only; remove for 8-bit loading")
+        return self
+
+
 class ModelConfig(Section):
     """Which model to start from and how it is loaded and trained."""
 
@@ -86,12 +110,44 @@ class ModelConfig(Section):
         "torch loop there).",
     )
     trust_remote_code: bool = Field(False, description="Allow custom model code shipped with the checkpoint.")
+    quantization: QuantizationConfig | None = Field(
+        None,
+        description="QLoRA: load the base quantized (keys bits, quant_type, double_quant, compute_dtype; see "
+        "`model.quantization` below). Needs finetuning: lora, a CUDA GPU and bitsandbytes (`pip install "
+        "'rlfactory[qlora]'`); with rollout.backend vllm the adapter alone is synced (lora_sync: adapter).",
+    )
 
     _as_list_adapters = field_validator("adapter_paths", mode="before")(_as_list)
 
+    @model_validator(mode="after")
+    def _quantized(self) -> ModelConfig:
+        if self.quantization is None:
+            return self
+        if self.finetuning != "lora":
+            raise ValueError(
+                f"model.quantization: a quantized base cannot be trained with finetuning: {self.finetuning} (its "
+                "weights are frozen 4/8-bit tensors); use finetuning: lora, or remove model.quantization"
+            )
+        if self.adapter_paths:
+            raise ValueError(
+                "model.quantization with model.adapter_paths: merging an adapter into a quantized base rounds it "
+                "again; merge first (`rlfactory export ADAPTER --to DIR`) and set model.name_or_path: DIR"
+            )
+        return self
+
+
+LORA_INITS = ("gaussian", "orthogonal", "pissa", "olora")
+LORA_INITS_REFUSED = {
+    "eva": "EVA initialises from activations of training data (peft's initialize_lora_eva_weights); use pissa",
+    "corda": "CorDA needs a covariance pass over data first; use pissa",
+    "loftq": "LoftQ needs its own quantization config; use model.quantization with true or pissa",
+    "lora_ga": "LoRA-GA needs gradient estimates from data first; use pissa",
+    "mica": "MiCA freezes B, which the checkpoints do not expect; use pissa",
+}
+
 
 class LoraConfig(Section):
-    """LoRA adapters (peft), used when model.finetuning is lora."""
+    """LoRA adapters (peft), used when model.finetuning is lora: LoRA, DoRA, rsLoRA, PiSSA/OLoRA initialisation."""
 
     r: int = Field(8, ge=1, description="LoRA rank.")
     alpha: int = Field(16, ge=1, description="LoRA scaling numerator (scale = alpha / r).")
@@ -104,8 +160,55 @@ class LoraConfig(Section):
     modules_to_save: list[str] = Field(
         default_factory=list, description="Extra modules trained in full and saved with the adapter."
     )
+    use_dora: bool = Field(
+        False,
+        description="DoRA: a trained magnitude per output and the LoRA update on the direction (peft use_dora); "
+        "slower steps. vLLM cannot serve DoRA adapters: with rollout.backend vllm set rollout.lora_sync: merged.",
+    )
+    use_rslora: bool = Field(False, description="rsLoRA: scale the update by alpha / sqrt(r) instead of alpha / r.")
+    init_lora_weights: bool | str = Field(
+        True,
+        description="How adapters start (peft init_lora_weights): true (B = 0, the model starts unchanged), false "
+        "(random A and B, for tests), gaussian, orthogonal (r even), pissa / pissa_niter_N (the top singular "
+        "directions of each weight, N fast-SVD iterations; the residual becomes the frozen base), olora (QR of each "
+        "weight, likewise). pissa and olora change the base weights: the saved adapter is converted to a plain LoRA "
+        "of rank 2r on the original base, a reference policy is a frozen copy, and vllm syncs merged weights.",
+    )
 
     _names_modules = field_validator("modules_to_save", mode="before")(_comma_list)
+
+    @field_validator("init_lora_weights", mode="before")
+    @classmethod
+    def _init(cls, value: Any) -> Any:
+        """The initialisations that need nothing but the weights; peft's data-driven ones are refused by name."""
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("true", "false"):
+            return text == "true"
+        if text in LORA_INITS or re.fullmatch(r"pissa_niter_\d+", text):
+            return text
+        if text in LORA_INITS_REFUSED:
+            raise ValueError(f"'{value}' is not supported: {LORA_INITS_REFUSED[text]}")
+        raise ValueError(
+            f"'{value}' is not an initialisation; use true, false, {', '.join(LORA_INITS)} or pissa_niter_N (N >= 0)"
+        )
+
+    @model_validator(mode="after")
+    def _combinations(self) -> LoraConfig:
+        if self.init_lora_weights == "orthogonal" and self.r % 2:
+            raise ValueError(f"init_lora_weights: orthogonal needs an even r (r is {self.r})")
+        if self.use_dora and self.changes_base():
+            raise ValueError(
+                f"use_dora with init_lora_weights: {self.init_lora_weights}: the trained adapter could not be "
+                "converted back to the original base (DoRA's magnitudes are not a low-rank difference; measured "
+                "wrong); use one of the two"
+            )
+        return self
+
+    def changes_base(self) -> bool:
+        """pissa / olora move part of each weight into the adapter: the frozen base is a residual, not the model."""
+        return isinstance(self.init_lora_weights, str) and self.init_lora_weights.startswith(("pissa", "olora"))
 
     @field_validator("target_modules", mode="before")
     @classmethod
@@ -480,6 +583,7 @@ class RunConfig(Section):
                 "kto estimates its KL reference point within a micro-batch: set train.per_device_batch_size >= 2"
             )
         self._distributed_rules()
+        self._peft_rules()
         self._ignored_settings()
         if self.dpo is not None and self.dpo.ref_model and self.dpo.loss_type in ("simpo",):
             raise ValueError(f"dpo.loss_type '{self.dpo.loss_type}' is reference-free: remove dpo.ref_model")
@@ -538,7 +642,11 @@ class RunConfig(Section):
                 "is merged into the model after training; use distributed.strategy ddp or zero2"
             )
         section = self.dpo or self.kto
-        needs_copy = self.model.finetuning != "lora" or (self.dpo is not None and self.dpo.ref_model)
+        needs_copy = (
+            self.model.finetuning != "lora"
+            or (self.dpo is not None and self.dpo.ref_model)
+            or self.lora.changes_base()  # the adapter-disabled policy is the residual, not the model
+        )
         reference_free = self.dpo is not None and self.dpo.loss_type == "simpo"
         precomputed = self.dpo is not None and self.dpo.precompute_ref_logps
         if section is not None and needs_copy and not reference_free and not precomputed and self.sharded():
@@ -551,6 +659,56 @@ class RunConfig(Section):
                 f"stage {self.stage} with a frozen reference copy ({self.model.finetuning} fine-tuning"
                 f"{', dpo.ref_model' if self.dpo is not None and self.dpo.ref_model else ''}) under a sharded "
                 f"strategy: every process would hold the whole copy; {fix}, or use distributed.strategy ddp/zero2"
+            )
+
+    def _peft_rules(self) -> None:
+        """QLoRA's stages and strategies, and what vLLM can be sent: the adapter alone for a quantized base (merging
+        into 4-bit weights would round them), merged weights for DoRA (vLLM serves no DoRA adapters) and for
+        pissa/olora (their adapter belongs to a residual base, not the model vLLM loaded)."""
+        quantized, lora = self.model.quantization is not None, self.model.finetuning == "lora"
+        if quantized and self.stage not in QUANT_STAGES:
+            raise ValueError(
+                f"model.quantization is not supported for stage {self.stage} yet (it is for "
+                f"{', '.join(QUANT_STAGES)}); remove it"
+            )
+        if quantized and self.sharded():
+            raise ValueError(
+                "model.quantization under a sharded strategy (zero3, zero3_offload, fsdp2): bitsandbytes weights are "
+                "not sharded here; use distributed.strategy ddp (each GPU holds the 4-bit base) or remove quantization"
+            )
+        if lora and self.lora.changes_base() and self.sharded():
+            raise ValueError(
+                f"lora.init_lora_weights: {self.lora.init_lora_weights} under a sharded strategy (zero3, "
+                "zero3_offload, fsdp2): converting the adapter back to the original base at save needs it whole on "
+                "one process; use distributed.strategy ddp or zero2, or init_lora_weights: true"
+            )
+        if not (lora and self.rollout is not None and self.rollout.backend == "vllm"):
+            return
+        needs_merged = [
+            reason
+            for reason, applies in (
+                ("lora.use_dora (vLLM serves no DoRA adapters)", self.lora.use_dora),
+                (
+                    f"lora.init_lora_weights: {self.lora.init_lora_weights} (its adapter belongs to the residual base, "
+                    "not to the model vLLM loaded)",
+                    self.lora.changes_base(),
+                ),
+            )
+            if applies
+        ]
+        if quantized and needs_merged:
+            raise ValueError(
+                f"model.quantization with rollout.backend vllm syncs the adapter alone, which {needs_merged[0]} "
+                "rules out; remove one of them, or use rollout.backend: hf"
+            )
+        if quantized and self.rollout.lora_sync == "merged":
+            raise ValueError(
+                "rollout.lora_sync: merged with model.quantization: merging into the 4/8-bit base would round the "
+                "update away; use rollout.lora_sync: adapter (vLLM serves the adapter on its own copy of the base)"
+            )
+        if needs_merged and self.rollout.lora_sync == "adapter":
+            raise ValueError(
+                f"rollout.lora_sync: adapter cannot serve {needs_merged[0]}; set rollout.lora_sync: merged"
             )
 
     def _online_rules(self) -> None:
@@ -594,6 +752,13 @@ class PipelineConfig(Section):
                 raise ValueError(
                     f"stages.{index}.model.from_stage: '{run.model.from_stage}' is not an earlier stage "
                     f"(earlier: {', '.join(seen) or 'none'})"
+                )
+            earlier = next((r for r in self.stages[:index] if (r.name or r.stage) == run.model.from_stage), None)
+            if run.model.quantization is not None and earlier is not None and earlier.model.finetuning == "lora":
+                raise ValueError(
+                    f"stages.{index}.model.quantization: stage '{run.model.from_stage}' saves an adapter, which would "
+                    "be merged into the quantized base (rounding it); start this stage from a merged export "
+                    "of it instead (`rlfactory export`, then model.name_or_path: that folder)"
                 )
             seen.append(name)
         launch = self.stages[0].distributed

@@ -81,6 +81,10 @@ def environment_problems(cfg: RunConfig) -> list[str]:
                 "train.mixed_precision fp16 needs a GPU: on a CPU, Accelerate does not autocast to fp16 and would "
                 "train in fp32; set train.mixed_precision: auto, no or bf16"
             )
+    from rlfactory.model.loader import quantization_problem
+
+    if qlora := quantization_problem(cfg.model):
+        problems.append(qlora)
     if cfg.model.liger_kernel == "on" and importlib.util.find_spec("liger_kernel") is None:
         problems.append("model.liger_kernel: on needs the liger-kernel package (`pip install liger-kernel`)")
     packages = {"flash_attention_2": "flash_attn"}

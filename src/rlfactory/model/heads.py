@@ -16,7 +16,14 @@ import torch
 
 from rlfactory.config.schema import RunConfig
 from rlfactory.errors import UserError
-from rlfactory.model.loader import apply_freeze, check_model_exists, merge_adapter, resolve_dtype
+from rlfactory.model.loader import (
+    apply_freeze,
+    check_model_exists,
+    merge_adapter,
+    peft_lora_config,
+    resolve_dtype,
+    wrap_lora,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,24 +63,10 @@ def load_reward_model_for_training(cfg: RunConfig, pad_token_id: int) -> Any:
 
 def _apply_lora(model: Any, cfg: RunConfig) -> Any:
     """LoRA of task SEQ_CLS: PEFT then trains and saves the new ``score`` head in full (modules_to_save)."""
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
-
     if cfg.model.gradient_checkpointing:
         model.enable_input_require_grads()
-    lora = cfg.lora
-    peft_config = PeftLoraConfig(
-        task_type="SEQ_CLS",
-        r=lora.r,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=lora.target_modules,
-        modules_to_save=sorted({*lora.modules_to_save, SCORE_HEAD}),
-    )
-    try:
-        return get_peft_model(model, peft_config)
-    except ValueError as exc:
-        raise UserError(f"lora.target_modules: {exc}") from None
+    modules = sorted({*cfg.lora.modules_to_save, SCORE_HEAD})
+    return wrap_lora(model, peft_lora_config(cfg.lora, "SEQ_CLS", modules), cfg.lora)
 
 
 def merge_reward_model(model: Any) -> Any:

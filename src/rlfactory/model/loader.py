@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlfactory.config.schema import FreezeConfig, LoraConfig, ModelConfig, TrainConfig
+from rlfactory.config.schema import FreezeConfig, LoraConfig, ModelConfig, QuantizationConfig, TrainConfig
 from rlfactory.errors import UserError, first_line, read_text
 
 if TYPE_CHECKING:
@@ -172,13 +172,14 @@ def load_model(
 
     path = str(cfg.name_or_path)
     check_model_paths(cfg)
+    options = {
+        "dtype": resolve_dtype(cfg.dtype, cfg.finetuning if trainable else "lora"),
+        "attn_implementation": cfg.attn_implementation,
+        "trust_remote_code": cfg.trust_remote_code,
+        **quantized_loading(cfg),  # a 4-bit base's dtype is its compute dtype
+    }
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path,
-            dtype=resolve_dtype(cfg.dtype, cfg.finetuning if trainable else "lora"),
-            attn_implementation=cfg.attn_implementation,
-            trust_remote_code=cfg.trust_remote_code,
-        )
+        model = AutoModelForCausalLM.from_pretrained(path, **options)
     except LOAD_ERRORS as exc:
         raise UserError(f"cannot load model '{path}': {first_line(exc)}") from None
     for adapter in cfg.adapter_paths:
@@ -188,6 +189,14 @@ def load_model(
     if not trainable:
         model.requires_grad_(False)
         return model
+    if cfg.quantization is not None:  # norms and head in float32, inputs that require grad (what TRL does)
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=cfg.gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -201,6 +210,60 @@ def load_model(
         "trainable params: %s / %s (%.2f%%)", f"{trainable_params:,}", f"{total:,}", 100 * trainable_params / total
     )
     return model
+
+
+QLORA_NEEDS = "QLoRA needs a CUDA GPU and bitsandbytes: pip install bitsandbytes (or 'rlfactory[qlora]')"
+
+
+def quantization_problem(cfg: ModelConfig) -> str | None:
+    """What this machine lacks for ``model.quantization`` (``config check`` warns, ``train`` refuses)."""
+    import importlib.util
+
+    import torch
+
+    if cfg.quantization is None:
+        return None
+    missing = [
+        what
+        for what, present in (
+            ("no CUDA GPU is visible", torch.cuda.is_available()),
+            ("bitsandbytes is not installed", importlib.util.find_spec("bitsandbytes") is not None),
+        )
+        if not present
+    ]
+    return f"model.quantization: {QLORA_NEEDS} ({'; '.join(missing)})" if missing else None
+
+
+def quantized_loading(cfg: ModelConfig) -> dict[str, Any]:
+    """from_pretrained's arguments for ``model.quantization`` (none without it); refuses a machine without CUDA or
+    bitsandbytes before anything loads."""
+    if cfg.quantization is None:
+        return {}
+    problem = quantization_problem(cfg)
+    if problem:
+        raise UserError(problem)
+    return bnb_loading(cfg.quantization)
+
+
+def bnb_loading(quant: QuantizationConfig) -> dict[str, Any]:
+    """transformers' BitsAndBytesConfig, the whole model on this process's GPU (bitsandbytes weights are placed at
+    load; Accelerate does not move them), and for 4 bits the compute dtype as the dtype of the unquantized rest."""
+    import os
+
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    device_map = {"": int(os.environ.get("LOCAL_RANK", "0"))}
+    if quant.bits == 8:
+        return {"quantization_config": BitsAndBytesConfig(load_in_8bit=True), "device_map": device_map}
+    compute = getattr(torch, quant.compute_dtype)
+    config = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=quant.quant_type,
+        bnb_4bit_use_double_quant=quant.double_quant,
+        bnb_4bit_compute_dtype=compute,
+    )
+    return {"quantization_config": config, "device_map": device_map, "dtype": compute}
 
 
 def liger_setting(cfg: ModelConfig) -> bool | None:
@@ -274,8 +337,18 @@ def check_adapter(adapter: str) -> None:
         raise UserError(f"model.adapter_paths: {adapter}/adapter_config.json is not valid JSON ({exc})") from None
     if not isinstance(config, dict):
         raise UserError(f"model.adapter_paths: {adapter}/adapter_config.json must hold a JSON object")
+    init = str(config.get("init_lora_weights", True)).lower()
+    if init.startswith(BASE_CHANGING_INITS):
+        raise UserError(
+            f"{adapter}: a {init} adapter saved without conversion: it fits only the residual model its training "
+            "started from, not the base it names; save it with peft's path_initial_model_for_weight_conversion "
+            "(rlfactory's runs do), or load it on that residual model"
+        )
     for file in Path(adapter).glob("*.safetensors"):
         check_safetensors(file)
+
+
+BASE_CHANGING_INITS = ("pissa", "olora", "corda", "lora_ga")  # peft inits that move part of the weight into the adapter
 
 
 def merge_adapter(model: Any, adapter: str) -> Any:
@@ -285,24 +358,52 @@ def merge_adapter(model: Any, adapter: str) -> Any:
     return PeftModel.from_pretrained(model, adapter).merge_and_unload()
 
 
-def apply_lora(model: Any, lora: LoraConfig, gradient_checkpointing: bool) -> Any:
+def peft_lora_config(lora: LoraConfig, task_type: str = "CAUSAL_LM", modules_to_save: list[str] | None = None) -> Any:
+    """``lora:`` as peft's LoraConfig (LoRA, DoRA, rsLoRA, the initialisations the schema accepts)."""
     from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
 
-    if gradient_checkpointing:
-        model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
-    peft_config = PeftLoraConfig(
-        task_type="CAUSAL_LM",
+    return PeftLoraConfig(
+        task_type=task_type,
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=lora.target_modules,
-        modules_to_save=lora.modules_to_save or None,
+        modules_to_save=(lora.modules_to_save if modules_to_save is None else modules_to_save) or None,
+        use_dora=lora.use_dora,
+        use_rslora=lora.use_rslora,
+        init_lora_weights=lora.init_lora_weights,
     )
+
+
+def wrap_lora(model: Any, peft_config: Any, lora: LoraConfig) -> Any:
+    """get_peft_model; for an initialisation that changes the base (pissa, olora) the initial adapter is saved
+    aside, so ``save_model`` can convert the trained one into a plain LoRA on the original base (peft's
+    ``path_initial_model_for_weight_conversion``): without it the saved adapter only fits the residual base."""
+    from peft import get_peft_model
+
     try:
-        return get_peft_model(model, peft_config)
-    except ValueError as exc:
-        raise UserError(f"lora.target_modules: {exc}") from None
+        model = get_peft_model(model, peft_config)
+    except (ValueError, NotImplementedError) as exc:
+        raise UserError(f"lora: {first_line(exc)}") from None
+    if lora.changes_base():
+        import atexit
+        import shutil
+        import tempfile
+
+        folder = Path(tempfile.mkdtemp(prefix="rlfactory-lora-init-"))
+        atexit.register(shutil.rmtree, folder, True)
+        model.save_pretrained(str(folder / "initial"))
+        model.lora_initial_adapter = str(folder / "initial")
+        log.info(
+            "lora.init_lora_weights %s: the base is now the residual; initial adapter kept", lora.init_lora_weights
+        )
+    return model
+
+
+def apply_lora(model: Any, lora: LoraConfig, gradient_checkpointing: bool) -> Any:
+    if gradient_checkpointing:
+        model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
+    return wrap_lora(model, peft_lora_config(lora), lora)
 
 
 def apply_freeze(model: Any, freeze: FreezeConfig) -> None:
@@ -319,7 +420,12 @@ def save_model(model: Any, tokenizer: Any, output_dir: str | Path, state_dict: d
     """Save a normal HF directory: the adapter for LoRA, the full weights otherwise; returns its kind.
 
     ``state_dict``: the full weights gathered by ``accelerator.get_state_dict`` when the model itself holds only a
-    shard (zero3, fsdp2); PEFT picks the adapter's tensors out of it."""
-    model.save_pretrained(str(output_dir), safe_serialization=True, state_dict=state_dict)
+    shard (zero3, fsdp2); PEFT picks the adapter's tensors out of it. An adapter initialised with pissa / olora is
+    saved converted (rank 2r, on the original base: ``wrap_lora``), so it loads and merges like any LoRA."""
+    initial = getattr(model, "lora_initial_adapter", None)
+    extra = {"path_initial_model_for_weight_conversion": initial} if initial else {}
+    if initial:  # peft converts from the model's own tensors (a given state_dict lacks the initial adapter it
+        state_dict = None  # loads); such runs are never sharded (schema), so the model holds the whole adapter
+    model.save_pretrained(str(output_dir), safe_serialization=True, state_dict=state_dict, **extra)
     tokenizer.save_pretrained(str(output_dir))
     return "adapter" if hasattr(model, "peft_config") else "full"

@@ -4,7 +4,8 @@ Which weights (DESIGN principle 5, LoRA first):
 - LoRA: the policy itself with its adapter disabled (``disable_adapter()`` on the unwrapped PEFT model):
   no second copy in memory. Adapters from ``model.adapter_paths`` are merged into the base, so they are
   part of the reference.
-- full / freeze fine-tuning, or another model named (``dpo.ref_model``): a frozen copy, loaded on the
+- full / freeze fine-tuning, another model named (``dpo.ref_model``), or LoRA initialised with pissa / olora
+  (the adapter-disabled policy is then the residual of the weights, not the model): a frozen copy, loaded on the
   host and moved to the device on first use (the engine places the policy, not the copy).
 
 API::
@@ -75,8 +76,13 @@ def load_frozen_copy(cfg: RunConfig, path: str | None = None) -> Any:
 
 
 def build_reference(cfg: RunConfig, policy: Any, ref_path: str | None = None) -> ReferencePolicy:
-    """Adapter-disabled policy for LoRA (unless ``ref_path`` names another model), otherwise a frozen copy."""
-    if is_peft(policy) and ref_path is None:
+    """Adapter-disabled policy for LoRA (unless ``ref_path`` names another model, or ``lora.init_lora_weights``
+    pissa / olora made the frozen base a residual), otherwise a frozen copy."""
+    if is_peft(policy) and cfg.lora.changes_base() and ref_path is None:
+        log.info(
+            "lora.init_lora_weights %s changed the base weights: the reference is a copy", cfg.lora.init_lora_weights
+        )
+    elif is_peft(policy) and ref_path is None:
         log.info("reference model: the policy with its LoRA adapter disabled (no copy)")
         return ReferencePolicy(policy)
     return ReferencePolicy(policy, load_frozen_copy(cfg, ref_path))

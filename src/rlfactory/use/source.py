@@ -76,12 +76,13 @@ def resolve_source(path: str, base: str = "", template: str = "", check: PathChe
     )
 
 
-def load_source(source: ModelSource) -> tuple[Any, Any]:
-    """(model, tokenizer) for inference: adapters merged, the template applied to the tokenizer."""
+def load_source(source: ModelSource, dtype: str = "auto") -> tuple[Any, Any]:
+    """(model, tokenizer) for inference: adapters merged, the template applied to the tokenizer; ``dtype`` as
+    ``model.dtype``."""
     from rlfactory.config.schema import FreezeConfig, LoraConfig, ModelConfig
     from rlfactory.model.loader import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(ModelConfig(name_or_path=source.tokenizer_from, template=source.template))
-    cfg = ModelConfig(name_or_path=source.base, adapter_paths=source.adapters, template=source.template)
+    cfg = ModelConfig(name_or_path=source.base, adapter_paths=source.adapters, template=source.template, dtype=dtype)
     model = load_model(cfg, LoraConfig(), FreezeConfig(), trainable=False)
     return model, tokenizer

@@ -127,24 +127,23 @@ def reply(messages: list[dict[str, Any]], tools: list | None, max_new_tokens: in
 
 
 def export_merged(path: str, base: str, out_dir: str, template: str = "", overwrite: bool = False) -> str:
-    """Merge the adapter(s) of ``path`` into the base model and save a plain HF model dir to ``out_dir``."""
-    from rlfactory.model.loader import save_model
+    """Merge the adapter(s) of ``path`` into the base model and save a plain HF model dir to ``out_dir``
+    (``use.export.export``, what `rlfactory export` runs; every path checked against the workspace)."""
+    from rlfactory.use.export import export
 
     if not out_dir.strip():
         raise UserError("choose an export folder")
     target = workspace.current().writable(out_dir.strip(), "export folder")
-    source = resolve_source(path, base, template)
-    if not source.adapters:
+    if not resolve_source(path, base, template).adapters:
         raise UserError(f"'{path}' is already a full model (no adapter_config.json): nothing to merge")
     if target.exists() and any(target.iterdir()) and not overwrite:
         raise UserError(f"export folder '{out_dir}' is not empty; tick overwrite or choose another folder")
-    model, tokenizer = load_source(source)
-    target.mkdir(parents=True, exist_ok=True)
-    save_model(model, tokenizer, target)
-    size = sum(f.stat().st_size for f in target.iterdir() if f.is_file())
+    result = export(path, str(target), base, template, overwrite=overwrite, check=_workspace_check)
+    size = sum(size for _, size in result.files)
     return (
-        f"merged {', '.join(source.adapters)} into {source.base} and saved the full model to {target} "
-        f"({size / 2**20:.1f} MiB); load it with model.name_or_path: {target}"
+        f"merged {', '.join(result.source.adapters)} into {result.source.base} and saved the full model to "
+        f"{result.target} ({size / 2**20:.1f} MiB, {len(result.files)} files); load it with model.name_or_path: "
+        f"{result.target}"
     )
 
 
