@@ -10,14 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-CALCULATOR_SCHEMA: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression.",
-        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
-    },
-}
+from rlfactory.tools.builtin import CALCULATOR_SCHEMA  # noqa: F401 -- the rows' `tools` column (re-exported)
 
 
 def expression(problem: dict[str, str]) -> str:

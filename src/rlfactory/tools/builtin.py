@@ -1,7 +1,8 @@
 """Bundled tools, by name (``tools: [calculator]`` in a run YAML).
 
-Each is a plain typed function with a Google-style docstring, so its JSON schema is derived exactly as
-``transformers.utils.get_json_schema`` (what ``apply_chat_template(tools=[fn])`` uses at inference) does.
+Each is a plain typed function with a Google-style docstring, so its JSON schema can be derived exactly as
+``transformers.utils.get_json_schema`` (what ``apply_chat_template(tools=[fn])`` uses at inference) does; the
+calculator offers the shorter schema of the bundled data instead (``BUILTIN_SCHEMAS``).
 ``python`` runs code: it is flagged ``runs_code`` and always executes in a subprocess with limits.
 """
 
@@ -76,3 +77,17 @@ BUILTIN_TOOLS: dict[str, tuple[Callable[..., Any], bool]] = {
     "calculator": (calculator, False),
     "python": (python, True),
 }
+
+# The calculator as the bundled model and data describe it (no argument description): what `tools: [calculator]`
+# offers when no `json_schema` is given, so chat, eval and serve prompt the bundled model exactly as it was trained.
+# Offered the docstring's longer schema instead, the tool-trained bundled model solved 0 of 100 held-out problems
+# in `rlfactory chat` (it still called the tool, but copied the numbers wrong); with this one, 89.
+CALCULATOR_SCHEMA: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+    },
+}
+BUILTIN_SCHEMAS: dict[str, dict[str, Any]] = {"calculator": CALCULATOR_SCHEMA}

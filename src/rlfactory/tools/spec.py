@@ -1,7 +1,8 @@
 """Tools declared in YAML (``tools:``) -> callable + JSON schema, checked before any model loads.
 
 An entry names a function: ``path/to/file.py:function``, ``package.module:function`` or a bundled tool
-(``calculator``). Its schema is derived from type hints + docstring by ``transformers.utils.get_json_schema``
+(``calculator``, which offers the schema of the bundled data). Its schema is derived from type hints + docstring by
+``transformers.utils.get_json_schema``
 (the same function ``apply_chat_template(tools=[fn])`` calls at inference, so the prompt the policy is
 trained with is the prompt it is served with), or given explicitly (``json_schema``) and then checked
 against the function's signature. Every problem is a UserError naming the entry and the fix.
@@ -126,11 +127,15 @@ def check_schema_matches(fn: Callable[..., Any], schema: dict[str, Any], where: 
 
 def load_tool(entry: Any, index: int) -> Tool:
     """One ``tools:`` entry (a ``ToolSpec``) -> a checked Tool."""
+    from rlfactory.tools.builtin import BUILTIN_SCHEMAS
+
     where = f"tools[{index}] ({entry.function})"
     fn, runs_code = resolve_function(entry.function)
     if entry.json_schema is not None:
         schema = normalize_schema(entry.json_schema, where)
         check_schema_matches(fn, schema, where)
+    elif entry.function in BUILTIN_SCHEMAS:  # a bundled tool's own schema (the one its bundled data carry)
+        schema = BUILTIN_SCHEMAS[entry.function]
     else:
         schema = derive_schema(fn, where)
     if entry.name:
