@@ -13,6 +13,7 @@ import json
 import os
 import re
 import select
+import struct
 import subprocess
 import sys
 import termios
@@ -47,6 +48,7 @@ class Terminal:
             start_new_session=True, preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
         )  # fmt: skip
         os.close(slave)
+        fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 250, 0, 0))  # wide: readline shows whole lines
         self.master, self.text, self.seen = master, "", 0
 
     def expect(self, pattern: str, timeout: float = 45) -> re.Match:
@@ -171,6 +173,10 @@ def test_stop_ends_the_reply_and_the_session_goes_on(session) -> None:
     assert session.messages[-2]["role"] == "user" and session.messages[-1]["role"] == "assistant"
     assert len(session.tokenizer.encode(session.messages[-1]["content"])) <= 8  # cut within a token or so
     session.clear()
+    abandoned = session.reply(QUESTION)
+    next(abandoned)
+    abandoned.close()  # a reader that goes away (a closed page) ends the reply; the history stays as it was
+    assert session.messages == [{"role": "system", "content": SYSTEM}]
     events = list(session.reply(QUESTION))
     assert events[-1].text == "answer" and any(e.kind == "result" and e.text == "42" for e in events)
 

@@ -17,6 +17,7 @@ import queue
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -191,9 +192,17 @@ class ChatSession:
 
         worker = threading.Thread(target=work, name="chat-reply", daemon=True)
         worker.start()
-        while (event := self._events.get()) is not None:
-            yield event
-        worker.join()
+        finished = False
+        try:
+            while (event := self._events.get()) is not None:
+                yield event
+            finished = True
+        finally:
+            if not finished:  # the caller stopped reading (a page closed): end this reply before another starts
+                self.stop()
+                while self._events.get() is not None:
+                    pass
+            worker.join()
         if "error" in outcome:
             raise outcome["error"]
         self.messages = outcome["result"].messages
@@ -257,15 +266,18 @@ def build_session(args: Any) -> tuple[ChatSession, str]:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the weights' loading bar would sit above the banner
-    model, tokenizer = load_source(source)
+    with warnings.catch_warnings():  # libraries' deprecation notices about their own internals, not the user's input
+        warnings.simplefilter("ignore", FutureWarning)
+        model, tokenizer = load_source(source)
     settings = ChatSettings(args.max_new_tokens, args.temperature, args.max_turns, args.parser)
     session = ChatSession(model, tokenizer, tools, settings, args.system or "")
     adapters = f" + adapter {', '.join(source.adapters)}" if source.adapters else ""
     params = sum(p.numel() for p in model.parameters())
     sampling = "greedy" if settings.temperature <= 0 else f"temperature {settings.temperature:g}"
     offered = f"{', '.join(tools)} (parser {settings.parser})" if tools else "none"
+    template = source.template or "the tokenizer's own"
     banner = (
-        f"chat with {source.base}{adapters} ({params:,} parameters; template: {source.template or 'its own'})\n"
+        f"chat with {source.base}{adapters} ({params:,} parameters; template: {template})\n"
         f"tools: {offered}; {sampling}, {settings.max_new_tokens} new tokens per turn, "
         f"{settings.max_turns} turns per message\n{COMMANDS}"
     )
@@ -335,6 +347,8 @@ def run_terminal(session: ChatSession, banner: str) -> int:
         while True:
             try:
                 text = input("you> ").strip()
+                if not sys.stdin.isatty():  # piped messages: a terminal would have echoed them
+                    printer.write(text + "\n")
             except EOFError:
                 printer.write("\n")
                 return 0
