@@ -104,6 +104,22 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (default 2GB)")
     export.add_argument("--overwrite", action="store_true", help="replace an earlier export in DIR")
     export.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="also upload DIR to this Hub repo")
+    chat = sub.add_parser("chat", help="talk to a model, LoRA adapter or run output dir in the terminal (tools too)")
+    chat.add_argument("path", help="a model dir, a LoRA adapter dir or a run's output dir")
+    chat.add_argument("--base", default="", help="base model of an adapter (default: the run's, else the adapter's)")
+    chat.add_argument("--template", default="", help="chat template: a bundled name or a .jinja file")
+    chat.add_argument("--system", default="", help="system prompt (kept by /clear)")
+    chat.add_argument(
+        "--tools",
+        action="append",
+        metavar="TOOLS",
+        help="tools offered: bundled names or "
+        "file.py:function (comma-separated), or a YAML/JSON list as a run's `tools:`; repeatable",
+    )
+    chat.add_argument("--parser", default="hermes", help="tool-call format the model writes (as agent.parser)")
+    chat.add_argument("--max-new-tokens", type=int, default=256, help="tokens per assistant turn at most")
+    chat.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    chat.add_argument("--max-turns", type=int, default=4, help="assistant turns per message at most (tool calls)")
     sub.add_parser("env", help="print versions of the stack and GPU info")
     sub.add_parser("version", help="print the rlfactory version")
     return parser
@@ -243,6 +259,12 @@ def cmd_env(_: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    from rlfactory.use.chat import cmd_chat as chat
+
+    return chat(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -255,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     handlers = {"train": cmd_train, "config": cmd_config, "convert": cmd_convert, "webui": cmd_webui, "env": cmd_env}
     handlers["export"] = cmd_export
+    handlers["chat"] = cmd_chat
     try:
         return handlers[args.command](args)
     except UserError as exc:

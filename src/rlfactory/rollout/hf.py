@@ -38,11 +38,14 @@ class HFBackend:
 
     syncs_weights = False
 
-    def __init__(self, model: Any, tokenizer: Any, batch_size: int = 64):
+    def __init__(self, model: Any, tokenizer: Any, batch_size: int = 64, generate_kwargs: dict | None = None):
+        """``generate_kwargs`` go to every ``model.generate`` call as they are (``rlfactory chat``: a streamer and a
+        stopping criterion for Ctrl-C)."""
         from rlfactory.render.chat import stop_ids
 
         self.model = model
         self.batch_size = batch_size
+        self.generate_kwargs = generate_kwargs or {}
         self.stop_ids = stop_ids(tokenizer)  # any of them ends a turn (harmony: <|return|> or <|call|>)
         self.pad_id = tokenizer.pad_token_id
 
@@ -73,6 +76,7 @@ class HFBackend:
                 repetition_penalty=1.0,
                 use_cache=True,
                 **_sampling_kwargs(params),
+                **self.generate_kwargs,
             )
             stops = set(self.stop_ids)
             for row in out[:, width:].tolist():
