@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# the CPU wheel of torch first: a bare `torch` requirement would pull a multi-GB CUDA build
 	$(BIN)/pip install -q "torch==2.13.0"
-	DS_BUILD_OPS=0 $(BIN)/pip install -q -e ".[dev,deepspeed,webui]"
+	DS_BUILD_OPS=0 $(BIN)/pip install -q -e ".[dev,deepspeed,webui,serve]"
 	touch $(STAMP)
 
 demo: $(STAMP)
