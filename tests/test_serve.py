@@ -279,3 +279,24 @@ def test_request_messages_become_training_rows() -> None:
         parse_request({**body, "tool_choice": "required"})
     with pytest.raises(ApiError, match="at most 4"):
         parse_request({**body, "stop": ["a", "b", "c", "d", "e"]})
+
+
+def test_vllm_command_serves_the_adapter_as_a_lora_module(tmp_path: Path) -> None:
+    from rlfactory.errors import UserError
+    from rlfactory.use.serve import ServeOptions, vllm_command
+    from rlfactory.use.source import ModelSource
+
+    adapter = tmp_path / "run"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 12, "base_model_name_or_path": "base"}))
+    opts = ServeOptions(port=9000, name="run", parser="json", extra=("--max-model-len", "2048"))
+    command = vllm_command(ModelSource("base", [str(adapter)], None, "base"), opts, "/t/chat.jinja")
+    assert command[1:6] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "base", "--max-model-len"]
+    assert " ".join(command).endswith(
+        "--port 9000 --chat-template /t/chat.jinja --enable-auto-tool-choice --tool-call-parser llama3_json "
+        f"--enable-lora --max-lora-rank 16 --lora-modules run={adapter}"
+    )
+    plain = vllm_command(ModelSource("m", [], None, "tok"), ServeOptions(name="m"), "/t/c.jinja")
+    assert plain[-4:] == ["--tokenizer", "tok", "--served-model-name", "m"]
+    with pytest.raises(UserError, match="rlfactory export"):
+        vllm_command(ModelSource("base", ["a", str(adapter)], None, "base"), opts, "/t/c.jinja")
