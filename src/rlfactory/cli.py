@@ -120,6 +120,25 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-new-tokens", type=int, default=256, help="tokens per assistant turn at most")
     chat.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     chat.add_argument("--max-turns", type=int, default=4, help="assistant turns per message at most (tool calls)")
+    serve = sub.add_parser(
+        "serve", help="an OpenAI-compatible chat completions endpoint (needs the serve extra or vllm)"
+    )
+    serve.add_argument("path", help="a model dir, a LoRA adapter dir or a run's output dir")
+    serve.add_argument("--backend", choices=["auto", "hf", "vllm"], default="auto", help="auto: vllm if installed")
+    serve.add_argument("--host", default="127.0.0.1", help="address to serve on (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument(
+        "--api-key", default=None, help="require Authorization: Bearer KEY (shows in ps: prefer env RLFACTORY_API_KEY)"
+    )
+    serve.add_argument("--parser", default="hermes", help="tool-call format the model writes: hermes, json, harmony")
+    serve.add_argument("--served-model-name", default="", help="the model name clients send (default: the folder's)")
+    serve.add_argument("--base", default="", help="base model of an adapter (default: the run's or the adapter's)")
+    serve.add_argument("--template", default="", help="chat template: a named one, a .jinja file (default: the run's)")
+    serve.add_argument(
+        "--vllm-args",
+        default="",
+        help="more arguments for vLLM's server, as one string: --vllm-args='--max-model-len 8192'",
+    )
     sub.add_parser("env", help="print versions of the stack and GPU info")
     sub.add_parser("version", help="print the rlfactory version")
     return parser
@@ -227,6 +246,20 @@ def cmd_export(args: argparse.Namespace) -> int:
     return run_cli(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import shlex
+
+    from rlfactory.use.serve import ServeOptions, serve
+
+    names = ("host", "port", "backend", "api_key", "parser", "base", "template")
+    options = ServeOptions(
+        name=args.served_model_name,
+        extra=tuple(shlex.split(args.vllm_args)),
+        **{name: getattr(args, name) for name in names},
+    )
+    return serve(args.path, options)
+
+
 def cmd_env(_: argparse.Namespace) -> int:
     from importlib import metadata
 
@@ -275,7 +308,14 @@ def main(argv: list[str] | None = None) -> int:
         print(__version__)
         return 0
     _setup_logging()
-    handlers = {"train": cmd_train, "config": cmd_config, "convert": cmd_convert, "webui": cmd_webui, "env": cmd_env}
+    handlers = {
+        "train": cmd_train,
+        "config": cmd_config,
+        "convert": cmd_convert,
+        "webui": cmd_webui,
+        "env": cmd_env,
+        "serve": cmd_serve,
+    }
     handlers["export"] = cmd_export
     handlers["chat"] = cmd_chat
     try:

@@ -33,6 +33,19 @@ def _sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
     }
 
 
+def generate_kwargs(params: SamplingParams, stop_ids: list[int], pad_id: int | None) -> dict[str, Any]:
+    """Every ``model.generate`` argument but the inputs: the sampling settings, stops and padding (also what
+    ``rlfactory serve``'s HF server generates with, so a served reply samples as a rollout does)."""
+    return {
+        "max_new_tokens": params.max_tokens,
+        "eos_token_id": stop_ids,
+        "pad_token_id": pad_id,
+        "repetition_penalty": 1.0,
+        "use_cache": True,
+        **_sampling_kwargs(params),
+    }
+
+
 class HFBackend:
     """Batched ``model.generate`` on the policy itself (so ``sync_weights`` has nothing to do)."""
 
@@ -70,12 +83,7 @@ class HFBackend:
             out = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention,
-                max_new_tokens=params.max_tokens,
-                eos_token_id=self.stop_ids,
-                pad_token_id=self.pad_id,
-                repetition_penalty=1.0,
-                use_cache=True,
-                **_sampling_kwargs(params),
+                **generate_kwargs(params, self.stop_ids, self.pad_id),
                 **self.generate_kwargs,
             )
             stops = set(self.stop_ids)
