@@ -110,7 +110,9 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--backend", default="hf", help="hf (default) or vllm (needs the vllm extra)")
     evaluate.add_argument("--threshold", type=float, default=1.0, help="score counted correct by pass@k and maj@k")
     evaluate.add_argument("--seed", type=int, help="sampling seed (default: the run's, else 0)")
-    evaluate.add_argument("--out", help="folder for report.json and samples.jsonl (default: eval/<model>-<dataset>)")
+    evaluate.add_argument(
+        "--out", help="folder for report.json and samples.jsonl (default: outputs/eval/<model>-<dataset>)"
+    )
     sub.add_parser("env", help="print versions of the stack and GPU info")
     sub.add_parser("version", help="print the rlfactory version")
     return parser

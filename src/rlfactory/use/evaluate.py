@@ -81,7 +81,14 @@ def _run_config(path: Path) -> RunConfig | None:
     file = path if path.is_file() else path / "config.yaml"
     if not file.is_file():
         return None
-    config = load_config(file)
+    try:
+        config = load_config(file)
+    except UserError as exc:
+        if file is path:  # the YAML given is what to evaluate: its errors are the user's to fix
+            raise
+        # a run dir's saved config (e.g. of an older version): the model is still there; the options decide
+        log.warning("%s not used for defaults: %s", file, str(exc).splitlines()[0])
+        return None
     if not isinstance(config, RunConfig):
         raise UserError(f"{file} is a pipeline: evaluate one of its stages' output dirs (<output_dir>/<stage name>)")
     return config
@@ -147,7 +154,7 @@ def resolve_job(args: argparse.Namespace) -> EvalJob:
         backend=args.backend,
         threshold=args.threshold,
         seed=args.seed if args.seed is not None else (run.seed if run else 0),
-        out=Path(args.out or Path("eval") / f"{name}-{dataset}").expanduser(),
+        out=Path(args.out or Path("outputs") / "eval" / f"{name}-{dataset}").expanduser(),
         tools=tools,
         max_turns=agent.get("max_turns", ev.max_turns),
         parser=agent.get("parser", ev.parser),
@@ -227,6 +234,7 @@ def backend_config(job: EvalJob, longest_prompt: int) -> RunConfig:
             "generation_batch_size": job.batch_size,
             "max_prompt_len": longest_prompt,
             "max_response_len": job.max_new_tokens,
+            "enable_sleep_mode": False,  # nothing trains between generations: the engine stays awake
         },
         evaluation={"max_new_tokens": job.max_new_tokens},
     )
