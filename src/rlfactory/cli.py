@@ -138,6 +138,27 @@ def _parser() -> argparse.ArgumentParser:
         "--vllm-args",
         default="",
         help="more arguments for vLLM's server, as one string: --vllm-args='--max-model-len 8192'",
+    evaluate = sub.add_parser("eval", help="evaluate a model, adapter, run dir or run YAML: pass@k, maj@k, tools")
+    evaluate.add_argument("path", help="a model dir, a LoRA adapter dir, a run's output dir, or a run YAML")
+    evaluate.add_argument("--dataset", help="prompt+answer dataset (default: the run's evaluation.dataset)")
+    evaluate.add_argument("--dataset-dir", help="folder of dataset_info.yaml (default: the run's, else ./data)")
+    evaluate.add_argument("--metric", help="reward function used as the score (default: the run's, else answer_match)")
+    evaluate.add_argument("--samples", type=int, default=1, help="completions per prompt (1: greedy; default 1)")
+    evaluate.add_argument("--temperature", type=float, help="sampling temperature (default: 0 for 1 sample, else 1.0)")
+    evaluate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0: off)")
+    evaluate.add_argument("--max-samples", type=int, help="evaluate the first N prompts (default: the run's, else all)")
+    evaluate.add_argument(
+        "--max-new-tokens", type=int, help="token budget per completion (default: the run's, else 64)"
+    )
+    evaluate.add_argument("--batch-size", type=int, help="prompts generated at once (default: the run's, else 32)")
+    evaluate.add_argument(
+        "--tools", nargs="+", help="builtin tool names or file.py:function, run through the agent loop ('none': off)"
+    )
+    evaluate.add_argument("--backend", default="hf", help="hf (default) or vllm (needs the vllm extra)")
+    evaluate.add_argument("--threshold", type=float, default=1.0, help="score counted correct by pass@k and maj@k")
+    evaluate.add_argument("--seed", type=int, help="sampling seed (default: the run's, else 0)")
+    evaluate.add_argument(
+        "--out", help="folder for report.json and samples.jsonl (default: outputs/eval/<model>-<dataset>)"
     )
     sub.add_parser("env", help="print versions of the stack and GPU info")
     sub.add_parser("version", help="print the rlfactory version")
@@ -258,6 +279,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         **{name: getattr(args, name) for name in names},
     )
     return serve(args.path, options)
+def cmd_eval(args: argparse.Namespace) -> int:
+    from rlfactory.use.evaluate import run_command
+
+    return run_command(args)
 
 
 def cmd_env(_: argparse.Namespace) -> int:
@@ -318,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     handlers["export"] = cmd_export
     handlers["chat"] = cmd_chat
+    handlers["eval"] = cmd_eval
     try:
         return handlers[args.command](args)
     except UserError as exc:

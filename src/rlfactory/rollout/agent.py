@@ -292,27 +292,6 @@ def offer_tools(specs: list[Any], parser: str | None, examples: list[dict[str, A
     return tools
 
 
-def greedy_conversations(
-    model: Any,
-    tokenizer: Any,
-    tools: dict[str, Any],
-    settings: AgentSettings,
-    examples: list[dict],
-    budget: int,
-    batch_size: int = 32,
-) -> list[AgentResult]:
-    """Greedy conversations of ``model`` (hf generate) with ``tools`` answered by the default tools environment:
-    how offline stages evaluate with ``evaluation.tools``. ``examples`` carry ``prompt_ids``; ``budget`` is the
-    token budget of each whole response (turns and tool results)."""
-    from rlfactory.envs.factory import build_env_factory
-    from rlfactory.rollout.hf import HFBackend
-    from rlfactory.tools.execute import ExecLimits
-
-    factory = build_env_factory("tools", tools, ExecLimits(), {})
-    loop = AgentLoop(HFBackend(model, tokenizer, batch_size), tokenizer, tools, settings, factory)
-    return loop.run(examples, SamplingParams(max_tokens=budget, temperature=0))
-
-
 class Rollouts:
     """What the online loop samples with: a generation backend, through the agent loop when one is configured.
 
@@ -355,20 +334,37 @@ class Rollouts:
 
 def build_rollouts(cfg: RunConfig, model: Any, tokenizer: Any) -> Rollouts:
     """The run's backend (``rollout.backend``), wrapped in the agent loop when tools or an env are configured."""
-    from rlfactory.envs.factory import build_env_factory
     from rlfactory.rollout.backends import build_backend
     from rlfactory.tools.execute import ExecLimits
-    from rlfactory.tools.spec import load_tools
 
     backend = build_backend(cfg, model, tokenizer)
     if not agent_enabled(cfg):
         return Rollouts(backend, None)
     ag = cfg.agent
     assert ag is not None
-    tools = load_tools(cfg.tools)
     limits = ExecLimits(ag.tool_timeout_s, ag.max_concurrency, ag.tool_memory_mb, ag.max_tool_response_chars)
-    factory = build_env_factory(ag.env or "tools", tools, limits, ag.env_args)
     settings = AgentSettings(ag.max_turns, ag.parser, ag.max_tokens_per_turn, ag.env_step_timeout_s)
+    return agent_rollouts(backend, tokenizer, cfg.tools, settings, limits, ag.env or "tools", ag.env_args)
+
+
+def agent_rollouts(
+    backend: GenerationBackend,
+    tokenizer: Any,
+    tool_specs: list[Any],
+    settings: AgentSettings,
+    limits: Any = None,
+    env: str = "tools",
+    env_args: dict[str, Any] | None = None,
+) -> Rollouts:
+    """``backend`` through the agent loop: ``tool_specs`` (tool entries, as ``tools:`` holds them) answered by the
+    environment ``env`` (default: the tools environment; ``limits``: an ``ExecLimits``, default limits if None).
+    The online loop's sampler when tools or an env are configured, and every evaluation's with tools."""
+    from rlfactory.envs.factory import build_env_factory
+    from rlfactory.tools.execute import ExecLimits
+    from rlfactory.tools.spec import load_tools
+
+    tools = load_tools(tool_specs)
+    factory = build_env_factory(env, tools, limits if limits is not None else ExecLimits(), env_args or {})
     return Rollouts(backend, AgentLoop(backend, tokenizer, tools, settings, factory))
 
 

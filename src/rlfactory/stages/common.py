@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -95,59 +94,35 @@ def check_columns(examples: list[dict[str, Any]], needs_answer: list[str], datas
 
 
 def evaluate_generation(model: Any, tokenizer: Any, prompts: list[dict[str, Any]], ev: EvaluationConfig) -> dict:
-    """Greedy generation on held-out prompts, scored by a reward function (mean score = accuracy).
+    """Greedy generation on held-out prompts, scored by a reward function (mean score = accuracy): the one
+    evaluation path (``engine.evaluate``) on the model itself (hf backend), through the agent loop with
+    ``evaluation.tools``, as ppo/grpo validate (the tool results are fed back and the last turn is scored).
 
-    Several processes: call it on every process with the same prompts and the model on its device. Each process
-    generates a contiguous share, padded with repeats of the first prompt so every process makes the same
-    ``generate`` calls (under zero3 / fsdp2 every forward is collective: transformers' ``synced_gpus`` keeps the
-    processes stepping together inside a call); the scores are gathered, so every process returns the same result.
+    Several processes: call it on every process with the same prompts and the model on its device; every process
+    returns the same result (see ``engine.evaluate``).
     """
-    from accelerate.utils import gather_object
-
-    from rlfactory.render.chat import render_prompt
+    from rlfactory.engine.evaluate import evaluate, render_eval_prompts
     from rlfactory.render.plain import tokenizer_for
-    from rlfactory.rewards.builtin import metric_score
-    from rlfactory.rollout.hf import generate_ids
+    from rlfactory.rollout.base import SamplingParams
 
     tokenizer = tokenizer_for(tokenizer, prompts)  # standard TRL prompts: plain text, ended by eos
-    state = process_state()
-    share = math.ceil(len(prompts) / state.num_processes)
-    mine = list(range(len(prompts)))[state.process_index * share : (state.process_index + 1) * share]
-    prompt_ids = [render_prompt(tokenizer, prompts[i]["messages"], prompts[i].get("tools")) for i in mine]
-    padding = [render_prompt(tokenizer, prompts[0]["messages"], prompts[0].get("tools"))] * (share - len(mine))
-    examples = [prompts[i] for i in mine] + [prompts[0]] * len(padding)
-    if ev.tools:
-        completions = _with_tools(model, tokenizer, examples, prompt_ids + padding, ev)
-    else:
-        outputs = generate_ids(model, tokenizer, prompt_ids + padding, ev.max_new_tokens, batch_size=ev.batch_size)
-        completions = [
-            (tokenizer.decode(out, skip_special_tokens=True), ex) for out, ex in zip(outputs, examples, strict=True)
-        ]
-    samples = []
-    for ids, (completion, example) in zip(prompt_ids, completions, strict=False):  # padding left out
-        score = metric_score(ev.metric, tokenizer.decode(ids), completion, example.get("answer"), example)
-        prompt = example["messages"][-1]["content"]
-        samples.append({"prompt": prompt, "completion": completion, "answer": example.get("answer"), "score": score})
-    if state.num_processes > 1:
-        samples = gather_object(samples)  # in process order: the prompts' order
-    scores = [sample["score"] for sample in samples]
-    return {"score": sum(scores) / len(scores), "n": len(scores), "samples": samples}
+    rollouts = eval_rollouts(model, tokenizer, ev)
+    params = SamplingParams(max_tokens=ev.max_new_tokens, temperature=0)
+    result = evaluate(rollouts, tokenizer, render_eval_prompts(tokenizer, prompts), params, ev.metric)
+    samples = [s.row() for s in result.scored]
+    return {"score": result.mean_score(), "n": len(samples), "samples": samples}
 
 
-def _with_tools(
-    model: Any, tokenizer: Any, examples: list[dict], prompt_ids: list[list[int]], ev: EvaluationConfig
-) -> list[tuple[str, dict]]:
-    """(last assistant turn, the example with its episode as ``agent``) per prompt: greedy conversations in which
-    ``evaluation.tools`` run, as ppo/grpo validate (the metric reads the final answer, and may read the episode)."""
-    from rlfactory.rollout.agent import AgentSettings, greedy_conversations
-    from rlfactory.tools.spec import load_tools
+def eval_rollouts(model: Any, tokenizer: Any, ev: EvaluationConfig) -> Any:
+    """The sampler of an offline stage's evaluation: ``generate`` on the model itself, through the agent loop (the
+    default tools environment and limits) when ``evaluation.tools`` are set."""
+    from rlfactory.rollout.agent import AgentSettings, Rollouts, agent_rollouts
+    from rlfactory.rollout.hf import HFBackend
 
-    with_ids = [{**ex, "prompt_ids": ids} for ex, ids in zip(examples, prompt_ids, strict=True)]
-    settings = AgentSettings(ev.max_turns, ev.parser)
-    results = greedy_conversations(
-        model, tokenizer, load_tools(ev.tools), settings, with_ids, ev.max_new_tokens, ev.batch_size
-    )
-    return [(r.final_text, {**ex, "agent": r.summary()}) for ex, r in zip(examples, results, strict=True)]
+    backend = HFBackend(model, tokenizer, ev.batch_size)
+    if not ev.tools:
+        return Rollouts(backend, None)
+    return agent_rollouts(backend, tokenizer, ev.tools, AgentSettings(ev.max_turns, ev.parser))
 
 
 def score_before(cfg: RunConfig, tokenizer: Any, prompts: list[dict[str, Any]]) -> Callable[[Any], float] | None:

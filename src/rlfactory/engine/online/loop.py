@@ -32,8 +32,8 @@ from rlfactory.engine.online.phases import LoopState, Run, step, trace_rows
 from rlfactory.engine.online.ranks import Ranks
 from rlfactory.engine.online.update import Updater
 from rlfactory.errors import RunStopped, UserError
-from rlfactory.rewards.stack import FailureStreaks, RewardStack, Sample, Scores, score_metrics
-from rlfactory.rollout.agent import build_rollouts, episode_metrics, episode_trace_fields
+from rlfactory.rewards.stack import FailureStreaks, RewardStack, score_metrics
+from rlfactory.rollout.agent import build_rollouts, episode_metrics
 from rlfactory.rollout.base import SamplingParams
 
 if TYPE_CHECKING:
@@ -183,70 +183,27 @@ def _ddp_ignore_unused(critic: Any) -> None:
 def validate(run: Run) -> tuple[dict[str, float], list[dict]]:
     """Greedy completions of the held-out prompts: val/score (evaluation.metric) and val/reward/* (the stack).
 
-    Several processes: each generates and scores its part of the prompts, and the scored samples are gathered in
-    rank order, so every rank returns the same numbers (those of one process, up to batching's float rounding)."""
-    from rlfactory.rewards.builtin import metric_score
+    The one evaluation path (``engine.evaluate``) with the run's sampler (its backend, through the agent loop when
+    tools are configured) and its reward stack. Several processes: each generates and scores its part of the
+    prompts, and the scored samples are gathered in rank order, so every rank returns the same numbers (those of
+    one process, up to batching's float rounding)."""
+    from rlfactory.engine.evaluate import evaluate
 
     ev = run.cfg.evaluation
-    prompts = run.ranks.split(run.eval_prompts)
-    completions, finals, seen = [], [], []
-    if prompts:
-        with run.accelerator.autocast():  # multi-turn evaluation runs the same agent loop, greedy
-            completions, finals, seen = run.rollouts.generate(
-                prompts, SamplingParams(max_tokens=ev.max_new_tokens, temperature=0)
-            )
-    decode = run.tokenizer.decode
-    samples = [
-        Sample(
-            p["prompt_text"],
-            decode(c.token_ids, skip_special_tokens=True) if f is None else f,
-            p.get("answer"),
-            p,
-            len(c.token_ids),
-            list(c.token_ids),
-        )
-        for p, c, f in zip(seen, completions, finals, strict=True)
-    ]
-    scores = run.rewards.score(samples) if samples else Scores([], {}, {}, {})
-    values = [metric_score(ev.metric, s.prompt, s.completion, s.answer, s.example) for s in samples]
-    if run.ranks.many:
-        samples, scores, values = _gather_scored(run.ranks, samples, scores, values)
+    params = SamplingParams(max_tokens=ev.max_new_tokens, temperature=0)
+    result = evaluate(
+        run.rollouts, run.tokenizer, run.eval_prompts, params, ev.metric, rewards=run.rewards,
+        autocast=run.accelerator.autocast,
+    )  # fmt: skip
+    samples, scores = [s.sample for s in result.scored], result.reward_scores()
     metrics = {
-        "val/score": sum(values) / len(values),
+        "val/score": result.mean_score(),
         "val/reward/mean": sum(scores.total) / len(samples),
         "val/response_length/mean": sum(s.response_length for s in samples) / len(samples),
         **score_metrics(scores, "val/reward"),
         **episode_metrics([s.example for s in samples], "val/"),
     }
-    rows = [
-        {
-            "prompt": s.example["messages"][-1]["content"],
-            "completion": s.completion,
-            "answer": s.answer,
-            "score": v,
-            **episode_trace_fields(s.example),
-        }
-        for s, v in zip(samples, values, strict=True)
-    ]
-    return metrics, rows
-
-
-def _gather_scored(
-    ranks: Ranks, samples: list[Sample], scores: Scores, values: list[float]
-) -> tuple[list[Sample], Scores, list[float]]:
-    """Every rank's scored samples in rank order, with the Scores one process would have made of them (a dict
-    reward's part that some samples lack is 0.0 for them, as ``RewardStack.score`` records it)."""
-    column = lambda named, i: {name: values[i] for name, values in named.items()}
-    rows = ranks.gather_objects(
-        [
-            (sample, scores.total[i], column(scores.components, i), column(scores.parts, i), values[i])
-            for i, sample in enumerate(samples)
-        ]
-    )
-    components = {name: [r[2].get(name, 0.0) for r in rows] for name in dict.fromkeys(k for r in rows for k in r[2])}
-    parts = {name: [r[3].get(name, 0.0) for r in rows] for name in dict.fromkeys(k for r in rows for k in r[3])}
-    gathered = Scores([r[1] for r in rows], components, parts, ranks.sum_counts(scores.failures))
-    return [r[0] for r in rows], gathered, [r[4] for r in rows]
+    return metrics, [s.row() for s in result.scored]
 
 
 def write_trace(out: Path, name: str, rows: list[dict[str, Any]]) -> Path:

@@ -45,12 +45,6 @@ class Ranks:
         size = len(items) // self.world
         return items[self.rank * size : (self.rank + 1) * size]
 
-    def split(self, items: list) -> list:
-        """This rank's contiguous part of ``items`` of any length: the first ``len % world`` ranks get one more."""
-        size, extra = divmod(len(items), self.world)
-        start = self.rank * size + min(self.rank, extra)
-        return items[start : start + size + (self.rank < extra)]
-
     def gather_objects(self, items: list) -> list:
         """Every rank's list (picklable items), concatenated in rank order; the same list on every rank."""
         if not self.many:
