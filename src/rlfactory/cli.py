@@ -91,6 +91,13 @@ def _parser() -> argparse.ArgumentParser:
         help="serve a non-loopback --host or --share without a password (anyone who can reach it can "
         "read and write the workspace and start runs)",
     )
+    plan = sub.add_parser("plan", help="estimate per-GPU peak memory and step time before any weights load")
+    plan.add_argument("config", help="run or pipeline YAML")
+    plan.add_argument("overrides", nargs="*", help="key.sub=value overrides, as for train")
+    plan.add_argument("--gpus", type=int, default=None, help="GPUs to plan for (default: the visible ones)")
+    plan.add_argument("--gpu-memory", type=float, default=None, metavar="GB", help="memory per GPU in GiB")
+    plan.add_argument("--gpu-name", default=None, metavar="NAME", help="card to plan for (H100, A100, ...): step time")
+    plan.add_argument("--json", action="store_true", help="print the estimate as JSON")
     sub.add_parser("env", help="print versions of the stack and GPU info")
     sub.add_parser("version", help="print the rlfactory version")
     return parser
@@ -192,6 +199,12 @@ def cmd_webui(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from rlfactory.engine.plan_report import plan_command
+
+    return plan_command(args)
+
+
 def cmd_env(_: argparse.Namespace) -> int:
     from importlib import metadata
 
@@ -235,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     _setup_logging()
     handlers = {"train": cmd_train, "config": cmd_config, "convert": cmd_convert, "webui": cmd_webui, "env": cmd_env}
+    handlers["plan"] = cmd_plan
     try:
         return handlers[args.command](args)
     except UserError as exc:

@@ -9,7 +9,7 @@ WebUI); ``engine/plan_report.py`` prints it and finds the changes that would mak
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from rlfactory.config.schema import RunConfig
@@ -29,8 +29,8 @@ class Gpu:
     cuda: bool = True  # planning a GPU run (bf16 autocast, fused kernels); False: a CPU run (the tests)
 
 
-def detect_gpu(gpus: int | None = None, gpu_memory_gb: float | None = None) -> Gpu:
-    """The visible GPUs (torch.cuda); ``gpus`` / ``gpu_memory_gb`` (GiB) replace what is seen."""
+def detect_gpu(gpus: int | None = None, gpu_memory_gb: float | None = None, gpu_name: str | None = None) -> Gpu:
+    """The visible GPUs (torch.cuda); ``gpus`` / ``gpu_memory_gb`` (GiB) / ``gpu_name`` replace what is seen."""
     import torch
 
     name, memory, count = None, None, 0
@@ -38,8 +38,8 @@ def detect_gpu(gpus: int | None = None, gpu_memory_gb: float | None = None) -> G
         props = torch.cuda.get_device_properties(0)
         name, memory, count = props.name, float(props.total_memory), torch.cuda.device_count()
     if gpu_memory_gb is not None:
-        memory, name = gpu_memory_gb * t.GiB, name if memory is not None else None
-    return Gpu(name=name, memory=memory, count=gpus if gpus is not None else max(count, 1))
+        memory = gpu_memory_gb * t.GiB
+    return Gpu(name=gpu_name or name, memory=memory, count=gpus if gpus is not None else max(count, 1))
 
 
 # --------------------------------------------------------------------------- the model, from config.json only
@@ -162,12 +162,15 @@ def lora_targets(cfg: RunConfig, shape: t.ModelShape) -> list[str]:
 # --------------------------------------------------------------------------- the estimate
 @dataclass
 class Term:
-    """One line of the table: a name, bytes per GPU, the phase it belongs to (``all``: held the whole run)."""
+    """One line of the table: a name, bytes per GPU, the phase it belongs to (``all``: held the whole run).
+    Transient terms of a phase happen at different moments (the head's chunk at the forward's end, backward's
+    working memory after it), so a phase counts the largest of them, not their sum."""
 
     name: str
     bytes: float
     phase: str = "all"
     note: str = ""
+    transient: bool = False  # short-lived: a phase counts only its largest transient term
 
     @property
     def gb(self) -> float:
@@ -230,7 +233,6 @@ class Plan:
         }
 
 
-
 def state_terms(label: str, shape: t.ModelShape, trainable: int, p: t.Precision, cfg: RunConfig, n: int) -> list[Term]:
     """Weights, gradients and optimizer states of one trained model (the policy, or the critic), per GPU."""
     name = strategy(cfg)
@@ -267,26 +269,38 @@ def activation_terms(cfg: RunConfig, shape: t.ModelShape, p: t.Precision, gpu: G
     decoder = t.decoder_activation_bytes(per_layer, shape, tokens, checkpointing, p)
     note = f"{tokens} tokens, {path} layers" + (", checkpointed" if checkpointing else "")
     terms = [Term("activations", decoder, "update", note)]
+    working = t.backward_layer_bytes(per_layer, tokens)
+    terms.append(Term("backward working memory", working, "update", "one layer's gradients", transient=True))
     copies = t.autocast_copy_bytes(shape, p)
     if copies and strategy(cfg) not in ("zero2", "zero3", "zero3_offload"):  # DeepSpeed: bf16 weights, no cast
         terms.append(Term("autocast bf16 weight copies", copies, "update", "fp32 weights cast for the matmuls"))
     return terms
 
 
-def head_term(cfg: RunConfig, shape: t.ModelShape, p: t.Precision, gpu: Gpu, tokens: int) -> Term:
-    """The loss's LM head for one micro-batch, as the stage computes it (see each term's docstring)."""
+def head_terms(cfg: RunConfig, shape: t.ModelShape, p: t.Precision, gpu: Gpu, tokens: int) -> list[Term]:
+    """The loss's LM head for one micro-batch as the stage computes it: what it holds until backward, and its
+    chunk (transient). See each term's docstring in plan_terms."""
     if cfg.stage == "rm":
-        return Term("LM head (loss)", 0.0, "update", "a score head: no vocabulary logits")
+        return [Term("LM head", 0.0, "update", "a score head: no vocabulary logits")]
     if cfg.rollout is not None:
         rows = cfg.train.per_device_batch_size * cfg.rollout.max_response_len
-        return Term("LM head (loss)", t.full_logits_bytes(shape, rows, p), "update", "response logits, float32 log-probs")
-    if strategy(cfg) in ("zero3", "zero3_offload"):
-        return Term("LM head (loss)", t.full_logits_bytes(shape, tokens, p), "update", "ZeRO-3: the model's full logits")
-    if cfg.stage in ("sft", "pt"):
+        held, chunk = t.full_logits_bytes(shape, rows, p)
+        note = "response logits + float32 log-probs"
+    elif strategy(cfg) in ("zero3", "zero3_offload"):
+        held, chunk = t.full_logits_bytes(shape, tokens, p)
+        note = "ZeRO-3: the model's full logits"
+    elif cfg.stage in ("sft", "pt"):
         trains_head = cfg.model.finetuning == "full" or any("lm_head" in m for m in cfg.freeze.extra_modules)
         compiled = cfg.train.torch_compile and gpu.cuda
-        return Term("LM head (loss)", t.sft_head_bytes(shape, tokens, p, compiled, trains_head), "update", "chunked")
-    return Term("LM head (loss)", t.logprob_head_bytes(shape, tokens, p), "update", "chunked log-probs")
+        held, chunk = t.sft_head_bytes(shape, tokens, p, compiled, trains_head)
+        note = "gradients formed in the forward"
+    else:
+        held, chunk = t.logprob_head_bytes(shape, tokens, p)
+        note = "chunked log-probs"
+    return [
+        Term("LM head (held to backward)", held, "update", note),
+        Term("LM head chunk", chunk, "update", "one chunk of logits", transient=True),
+    ]
 
 
 def reference_term(cfg: RunConfig, shape: t.ModelShape, gpu: Gpu) -> Term | None:
@@ -334,19 +348,21 @@ def critic_terms(cfg: RunConfig, gpu: Gpu, p: t.Precision, n: int) -> list[Term]
     path = cfg.critic.model_path or str(cfg.model.name_or_path)
     shape = model_shape(path, cfg.model.trust_remote_code)
     terms = state_terms("critic", shape, trainable_params(cfg, shape), p, cfg, n)
-    for term in activation_terms(cfg, shape, p, gpu, micro_batch_tokens(cfg)):
-        terms.append(Term(f"critic {term.name}", term.bytes, "critic update", term.note))
-    return [Term(x.name, x.bytes, "critic update" if x.phase == "update" else x.phase, x.note) for x in terms]
+    update = activation_terms(cfg, shape, p, gpu, micro_batch_tokens(cfg))
+    terms += [replace(x, name=f"critic {x.name}") for x in update]
+    return [replace(x, phase="critic update") if x.phase == "update" else x for x in terms]
 
 
 def _phase_peaks(terms: list[Term]) -> dict[str, float]:
-    """Per phase: the terms held the whole run plus that phase's. Gradients fill while backward frees the
-    activations, so an update phase counts the larger of its gradients and the rest of its transient terms."""
+    """Per phase: the terms held the whole run plus that phase's, its transients counted by the largest. Gradients
+    fill while backward frees the activations, so a phase counts the larger of its gradients and the rest."""
     held = sum(x.bytes for x in terms if x.phase == "all")
     peaks = {}
     for phase in sorted({x.phase for x in terms} - {"all"}):
-        grads = sum(x.bytes for x in terms if x.phase == phase and x.name.endswith("gradients"))
-        rest = sum(x.bytes for x in terms if x.phase == phase and not x.name.endswith("gradients"))
+        own = [x for x in terms if x.phase == phase]
+        grads = sum(x.bytes for x in own if x.name.endswith("gradients"))
+        rest = sum(x.bytes for x in own if not x.name.endswith("gradients") and not x.transient)
+        rest += max((x.bytes for x in own if x.transient), default=0.0)
         peaks[phase] = held + max(grads, rest)
     return peaks or {"all": held}
 
@@ -361,7 +377,7 @@ def estimate_run(cfg: RunConfig, gpu: Gpu) -> Plan:
     trainable = trainable_params(cfg, shape)
     terms = state_terms("policy", shape, trainable, p, cfg, n)
     terms += activation_terms(cfg, shape, p, gpu, tokens)
-    terms.append(head_term(cfg, shape, p, gpu, tokens))
+    terms += head_terms(cfg, shape, p, gpu, tokens)
     reference = reference_term(cfg, shape, gpu)
     terms += [reference] if reference is not None else []
     if cfg.rollout is not None:

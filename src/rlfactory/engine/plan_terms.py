@@ -101,7 +101,8 @@ def adamw_states(trainable: int, param_bytes: int, strategy: str, processes: int
         return States(grads=0.0, optimizer=0.0)
     shards = n if strategy == "fsdp2" else 1
     buckets = trainable * param_bytes if strategy == "ddp" and n > 1 else 0.0
-    return States(grads=trainable * param_bytes / shards, optimizer=2 * trainable * param_bytes / shards, buckets=buckets)
+    grads = trainable * param_bytes / shards
+    return States(grads=grads, optimizer=2 * grads, buckets=buckets)
 
 
 # --------------------------------------------------------------------------- activations
@@ -127,6 +128,7 @@ def eager_layer_bytes(shape: ModelShape, p: Precision) -> float:
       weights) the weighted output stays fp32 and each linear reading it saves its own cast (a h x 3 for q/k/v,
       x 2 for gate/up) instead;
     - attention (sdpa): q (a x q_dim), k and v (a x kv_dim each), the output (a x q_dim), the log-sum-exp (4 per head);
+      under autocast the q/k/v projections' outputs once more (RoPE runs in float32, so sdpa saves its own casts);
     - SwiGLU MLP: gate, up, silu(gate) and the product down_proj reads: 4 x a x intermediate.
     """
     a, h = p.compute, shape.hidden
@@ -135,7 +137,7 @@ def eager_layer_bytes(shape: ModelShape, p: Precision) -> float:
         norms = 2 * (4 * h + 4 + 4 * h) + 5 * a * h
     else:
         norms = 2 * (4 * h + 4 + 2 * a * h)
-    attention = 2 * a * q_dim + 2 * a * kv_dim + 4 * shape.heads
+    attention = 2 * a * q_dim + 2 * a * kv_dim + 4 * shape.heads + (a * (q_dim + 2 * kv_dim) if p.autocast else 0)
     return norms + attention + 4 * a * shape.intermediate
 
 
@@ -149,7 +151,8 @@ def liger_layer_bytes(shape: ModelShape, p: Precision) -> float:
     return eager - eager_norms + liger_norms - a * shape.intermediate
 
 
-COMPILED_FACTOR = 0.72  # measured compiled activations / the eager formula's (Qwen2.5-0.5B LoRA sft, H100, BENCHMARKS call 7)
+# measured compiled activations / the eager formula's (Qwen2.5-0.5B LoRA sft, H100, BENCHMARKS call 7)
+COMPILED_FACTOR = 0.72
 
 
 def compiled_layer_bytes(shape: ModelShape, p: Precision) -> float:
@@ -177,7 +180,9 @@ def lora_layer_bytes(shape: ModelShape, targets: list[str], rank: int, dropout: 
     return extra
 
 
-def decoder_activation_bytes(per_layer: float, shape: ModelShape, tokens: int, checkpointing: bool, p: Precision) -> float:
+def decoder_activation_bytes(
+    per_layer: float, shape: ModelShape, tokens: int, checkpointing: bool, p: Precision
+) -> float:
     """The decoder's saved activations for ``tokens`` tokens of one micro-batch.
 
     Without checkpointing every layer keeps ``per_layer`` per token. With ``model.gradient_checkpointing``
@@ -208,8 +213,11 @@ def chunk_rows(vocab: int, eager: bool) -> int:
     return max(1024, int(budget // (vocab * 2)) // 1024 * 1024)
 
 
-def sft_head_bytes(shape: ModelShape, rows: int, p: Precision, compiled: bool, weight_trainable: bool) -> float:
+def sft_head_bytes(
+    shape: ModelShape, rows: int, p: Precision, compiled: bool, weight_trainable: bool
+) -> tuple[float, float]:
     """sft/pt's loss (``algos.common.linear_nll_sum``): gradients are formed in the forward, chunk by chunk.
+    Returns (held, transient).
 
     Held from the loss to backward: grad_hidden (rows x h in the hidden's dtype) and, when the head weight trains,
     grad_weight (V x h in its dtype); the hidden rows picked (a copy) and, under autocast, their cast and the
@@ -224,25 +232,33 @@ def sft_head_bytes(shape: ModelShape, rows: int, p: Precision, compiled: bool, w
     transient = chunk * v * p.compute
     if not compiled and p.compute != 4:
         transient += 2 * min(chunk, FLOAT32_ROWS) * v * 4
-    return held + transient
+    return held, transient
 
 
 LOGPROB_CHUNK = 2048  # algos.common.linear_token_logprobs' chunk_size
 
 
-def logprob_head_bytes(shape: ModelShape, rows: int, p: Precision) -> float:
+def logprob_head_bytes(shape: ModelShape, rows: int, p: Precision) -> tuple[float, float]:
     """dpo/kto/orpo's per-token log-probs (``linear_token_logprobs``, recomputed in backward): the picked hidden
-    rows (saved), and one chunk's logits, their float32 copy and the log-sum-exp temporary at a time. Liger's fused
-    kernel (CUDA default) uses smaller chunks; this is the torch loop's budget, the larger of the two."""
+    rows (held), and one chunk's logits, their float32 copy and the log-sum-exp temporary at a time (transient).
+    Liger's fused kernel (CUDA default) uses smaller chunks; this is the torch loop's budget, the larger of the two."""
     chunk = min(rows, LOGPROB_CHUNK)
-    return rows * shape.hidden * p.compute + chunk * shape.vocab * (p.compute + 4 + 4)
+    return rows * shape.hidden * p.compute, chunk * shape.vocab * (p.compute + 4 + 4)
 
 
-def full_logits_bytes(shape: ModelShape, rows: int, p: Precision) -> float:
+def full_logits_bytes(shape: ModelShape, rows: int, p: Precision) -> tuple[float, float]:
     """Where the head is not chunked: the online update (``engine/online/update.policy_forward``: the response
     positions' logits, kept for backward, and ``token_logprobs``' float32 copies of them, saved by log-softmax), and
-    ZeRO-3, whose partitioned head falls back to the model's own loss (the same logits and float32 copy)."""
-    return rows * shape.vocab * (p.compute + 4) + 4096 * shape.vocab * 4
+    ZeRO-3, whose partitioned head falls back to the model's own loss (the same logits and float32 copy). Held:
+    those; transient: one 4096-row float32 chunk."""
+    return rows * shape.vocab * (p.compute + 4), 4096 * min(rows, 4096) / 4096 * shape.vocab * 4
+
+
+def backward_layer_bytes(per_layer: float, tokens: int) -> float:
+    """Backward's working memory: while a layer's backward runs, the gradients of what it saved exist next to the
+    saved tensors, at most one layer's worth (tokens x per_layer). Measured on CPU it is what separates the forward's
+    saved bytes from the peak (tests/test_plan.py); it never coexists with the head's chunk (the forward's end)."""
+    return tokens * per_layer
 
 
 # --------------------------------------------------------------------------- generation
