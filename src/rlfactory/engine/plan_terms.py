@@ -127,8 +127,9 @@ def eager_layer_bytes(shape: ModelShape, p: Precision) -> float:
       weights in the compute dtype, the weighted output the next linears read (a h); under autocast (fp32
       weights) the weighted output stays fp32 and each linear reading it saves its own cast (a h x 3 for q/k/v,
       x 2 for gate/up) instead;
-    - attention (sdpa): q (a x q_dim), k and v (a x kv_dim each), the output (a x q_dim), the log-sum-exp (4 per head);
-      under autocast the q/k/v projections' outputs once more (RoPE runs in float32, so sdpa saves its own casts);
+    - attention (sdpa): q (a x q_dim), k and v (a x kv_dim each), the output (a x q_dim), the log-sum-exp (4 per head)
+      (under CPU autocast the Qwen2.5-0.5B shape at 1024 tokens also saved the q/k/v projections once more,
+      a (q_dim + 2 kv_dim), 2% of its layer; the bundled model's shape does not: not counted);
     - SwiGLU MLP: gate, up, silu(gate) and the product down_proj reads: 4 x a x intermediate.
     """
     a, h = p.compute, shape.hidden
@@ -137,7 +138,7 @@ def eager_layer_bytes(shape: ModelShape, p: Precision) -> float:
         norms = 2 * (4 * h + 4 + 4 * h) + 5 * a * h
     else:
         norms = 2 * (4 * h + 4 + 2 * a * h)
-    attention = 2 * a * q_dim + 2 * a * kv_dim + 4 * shape.heads + (a * (q_dim + 2 * kv_dim) if p.autocast else 0)
+    attention = 2 * a * q_dim + 2 * a * kv_dim + 4 * shape.heads
     return norms + attention + 4 * a * shape.intermediate
 
 
