@@ -194,29 +194,43 @@ def with_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig | None:
 
 
 def suggest(cfg: RunConfig, plan: Plan) -> list[dict[str, Any]]:
-    """Each candidate change re-estimated: those that fit first (least disruptive first), then by savings. When
-    none fits alone, the candidates are also tried together in order, stopping at the first set that fits."""
+    """Each rule's change re-estimated (a rule with several candidates, the micro-batch, gives its first that fits,
+    else its largest saving): those that fit first, least disruptive first, then the rest by savings. When none
+    fits alone, the rules' first changes are tried together in order, up to the first set that fits."""
     if plan.fits is not False:
         return []
-    found, combined, combined_cfg = [], [], cfg
+    found = []
     for name, rule in SUGGESTIONS.items():
+        tried = []
         for overrides, why in rule(cfg, plan):
             changed = with_overrides(cfg, overrides)
-            if changed is None:
-                continue
-            peak = estimate_run(changed, plan.gpu).peak
-            found.append(_suggestion(name, overrides, why, plan, peak))
-            if found[-1]["fits"]:
-                break  # the micro-batch: the largest that fits
-        for overrides, _why in rule(combined_cfg, plan)[:1]:
-            trial = with_overrides(combined_cfg, overrides)
-            if trial is not None:
-                combined, combined_cfg = combined + overrides, trial
+            if changed is not None:
+                tried.append(_suggestion(name, overrides, why, plan, estimate_run(changed, plan.gpu).peak))
+                if tried[-1]["fits"]:
+                    break
+        if tried:
+            found.append(tried[-1] if tried[-1]["fits"] else max(tried, key=lambda s: s["saves_gb"]))
     found.sort(key=lambda s: (not s["fits"], -s["saves_gb"] if not s["fits"] else 0))
-    if not any(s["fits"] for s in found) and combined:
-        peak = estimate_run(combined_cfg, plan.gpu).peak
-        found.insert(0, _suggestion("together", combined, "all of the above at once", plan, peak))
+    if not any(s["fits"] for s in found):
+        together = _together(cfg, plan)
+        found = ([together] if together else []) + found
     return [s for s in found if s["saves_gb"] > 0.005]
+
+
+def _together(cfg: RunConfig, plan: Plan) -> dict[str, Any] | None:
+    """The rules' first changes applied one after another, stopping at the first set that fits (or None)."""
+    combined: list[str] = []
+    current = cfg
+    for rule in SUGGESTIONS.values():
+        for overrides, _why in rule(current, plan)[:1]:
+            trial = with_overrides(current, overrides)
+            if trial is None:
+                continue
+            combined, current = combined + overrides, trial
+            peak = estimate_run(current, plan.gpu).peak
+            if plan.gpu.memory is not None and peak <= plan.gpu.memory:
+                return _suggestion("together", combined, "these changes together", plan, peak)
+    return None
 
 
 def _suggestion(name: str, overrides: list[str], why: str, plan: Plan, peak: float) -> dict[str, Any]:
