@@ -138,6 +138,7 @@ def _parser() -> argparse.ArgumentParser:
         "--vllm-args",
         default="",
         help="more arguments for vLLM's server, as one string: --vllm-args='--max-model-len 8192'",
+    )
     evaluate = sub.add_parser("eval", help="evaluate a model, adapter, run dir or run YAML: pass@k, maj@k, tools")
     evaluate.add_argument("path", help="a model dir, a LoRA adapter dir, a run's output dir, or a run YAML")
     evaluate.add_argument("--dataset", help="prompt+answer dataset (default: the run's evaluation.dataset)")
@@ -160,6 +161,13 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument(
         "--out", help="folder for report.json and samples.jsonl (default: outputs/eval/<model>-<dataset>)"
     )
+    plan = sub.add_parser("plan", help="estimate per-GPU peak memory and step time before any weights load")
+    plan.add_argument("config", help="run or pipeline YAML")
+    plan.add_argument("overrides", nargs="*", help="key.sub=value overrides, as for train")
+    plan.add_argument("--gpus", type=int, default=None, help="GPUs to plan for (default: the visible ones)")
+    plan.add_argument("--gpu-memory", type=float, default=None, metavar="GB", help="memory per GPU in GiB")
+    plan.add_argument("--gpu-name", default=None, metavar="NAME", help="card to plan for (H100, A100, ...): step time")
+    plan.add_argument("--json", action="store_true", help="print the estimate as JSON")
     sub.add_parser("env", help="print versions of the stack and GPU info")
     sub.add_parser("version", help="print the rlfactory version")
     return parser
@@ -279,10 +287,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         **{name: getattr(args, name) for name in names},
     )
     return serve(args.path, options)
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from rlfactory.use.evaluate import run_command
 
     return run_command(args)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from rlfactory.engine.plan_report import plan_command
+
+    return plan_command(args)
 
 
 def cmd_env(_: argparse.Namespace) -> int:
@@ -339,11 +355,12 @@ def main(argv: list[str] | None = None) -> int:
         "convert": cmd_convert,
         "webui": cmd_webui,
         "env": cmd_env,
+        "export": cmd_export,
+        "chat": cmd_chat,
+        "eval": cmd_eval,
         "serve": cmd_serve,
+        "plan": cmd_plan,
     }
-    handlers["export"] = cmd_export
-    handlers["chat"] = cmd_chat
-    handlers["eval"] = cmd_eval
     try:
         return handlers[args.command](args)
     except UserError as exc:

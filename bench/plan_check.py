@@ -1,0 +1,171 @@
+"""`rlfactory plan` against measured peaks on a GPU: each case runs a few real training steps in its own process.
+
+    python bench/plan_check.py                       # the default cases below, on the visible GPU
+    python bench/plan_check.py --cases sft_lora_05b,grpo_vllm_sleep_05b --steps 3
+
+Models are Qwen2.5-shaped with random bf16 weights (no download: the device has no network), written once to
+--work with the bundled tiny tokenizer (its ids are a subset of the vocabulary). Data is synthetic and long, so
+every sequence reaches its cap (cutoff_len, or the response cap: random weights rarely stop early), which is the
+worst case the planner estimates. Per case: the plan's peak (and its phase), torch.cuda.max_memory_allocated of
+the run (+ the plan's CUDA-context constant, for comparison), and the device's memory.used peak polled by
+nvidia-smi every 50 ms (vLLM's own pool is only in the latter). A line of JSON per case, then a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {
+    "05b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+               intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
+}  # fmt: skip
+SFT, DPO, GRPO = "examples/quickstart/sft.yaml", "examples/quickstart/dpo.yaml", "examples/grpo/tiny_arith_vllm.yaml"
+COMMON = ["logging.plot_loss=false", "logging.progress_bar=false", "train.save_steps=null", "train.eval_steps=null"]
+OFFLINE = ["data.dataset=long_sft", "data.eval_dataset=[]", "evaluation.dataset=null", "data.cutoff_len=2048"]
+ONLINE = ["rollout.max_prompt_len=128", "rollout.max_response_len=512", "rollout.prompts_per_step=8",
+          "rollout.num_samples=8", "evaluation.dataset=null", "model.dtype=auto"]  # fmt: skip
+# name -> (yaml, shape, overrides): 0.5B and 7B; full and LoRA; sft, dpo, grpo with vLLM with and without sleep mode
+CASES: dict[str, tuple[str, str, list[str]]] = {
+    "sft_lora_05b": (SFT, "05b", [*OFFLINE, "model.finetuning=lora", "train.per_device_batch_size=8"]),
+    "sft_full_05b": (SFT, "05b", [*OFFLINE, "model.finetuning=full", "train.per_device_batch_size=4"]),
+    "dpo_lora_05b": (DPO, "05b", ["data.dataset=long_dpo", "data.eval_dataset=[]", "evaluation.dataset=null",
+                                  "data.cutoff_len=1024", "model.finetuning=lora", "train.per_device_batch_size=4"]),
+    "sft_lora_7b_ckpt": (SFT, "7b", [*OFFLINE, "model.finetuning=lora", "model.gradient_checkpointing=true",
+                                     "train.per_device_batch_size=4"]),
+    "grpo_vllm_05b": (GRPO, "05b", [*ONLINE, "model.finetuning=lora", "train.per_device_batch_size=16"]),
+    "grpo_vllm_sleep_05b": (GRPO, "05b", [*ONLINE, "model.finetuning=lora", "train.per_device_batch_size=16",
+                                          "rollout.enable_sleep_mode=true"]),
+}  # fmt: skip
+
+
+def make_model(shape: str, work: Path, weights: bool = True) -> Path:
+    """A Qwen2.5-shaped model with random bf16 weights and the bundled tokenizer, written once (``weights``
+    False: config.json only, all the planner reads)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+    folder = work / f"qwen2.5-{shape}-random"
+    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, pad_token_id=0, eos_token_id=2)
+    if not weights:
+        config.save_pretrained(folder)
+        return folder
+    if (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file():
+        return folder
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(ROOT / "data/models/tiny-arith").save_pretrained(folder)
+    return folder
+
+
+def make_data(work: Path) -> Path:
+    """long_sft (one long assistant turn) and long_dpo (long chosen and rejected) in a dataset folder."""
+    folder = work / "data"
+    folder.mkdir(parents=True, exist_ok=True)
+    words = " ".join(str(i % 97) for i in range(3000))  # thousands of tokens: every row is cut at its cap
+    sft = [{"messages": [{"role": "user", "content": "count"}, {"role": "assistant", "content": words}]}] * 64
+    dpo = [{"prompt": [{"role": "user", "content": "count"}], "chosen": [{"role": "assistant", "content": words}],
+            "rejected": [{"role": "assistant", "content": words[::-1]}]}] * 64  # fmt: skip
+    for name, rows in (("long_sft", sft), ("long_dpo", dpo)):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "dataset_info.yaml").write_text(
+        "long_sft: {file_name: long_sft.jsonl, formatting: openai}\n"
+        "long_dpo: {file_name: long_dpo.jsonl, formatting: trl, ranking: true}\n"
+    )
+    return folder
+
+
+CHILD = """import json, sys, torch
+from rlfactory.cli import main
+code = main(sys.argv[1:])
+print("PLAN_CHECK " + json.dumps({"rc": code, "max_allocated": torch.cuda.max_memory_allocated(),
+                                  "max_reserved": torch.cuda.max_memory_reserved()}), flush=True)
+"""
+
+
+def poll_used(stop: threading.Event, peak: list[float]) -> None:
+    """The device's memory.used (MiB) every 50 ms, the highest kept."""
+    while not stop.is_set():
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True)  # fmt: skip
+        if out.returncode == 0 and out.stdout.strip():
+            peak[0] = max(peak[0], float(out.stdout.split()[0]))
+        time.sleep(0.05)
+
+
+def run_case(name: str, work: Path, steps: int, plan_only: bool = False) -> dict:
+    from rlfactory.engine import plan_terms
+    from rlfactory.engine.plan_report import plan_config
+
+    config, shape, overrides = CASES[name]
+    model = make_model(shape, work, weights=not plan_only)
+    overrides = [f"model.name_or_path={model}", f"data.dataset_dir={make_data(work)}", *COMMON, *overrides,
+                 f"train.max_steps={steps}", f"output_dir={work / 'runs' / name}",
+                 "overwrite_output_dir=true"]  # fmt: skip
+    planned = dict(gpu_memory_gb=80, gpu_name="H100") if plan_only else {}
+    (plan,) = plan_config(config, overrides, **planned)
+    if plan_only:
+        return {"case": name, "estimate_gb": round(plan.peak / plan_terms.GiB, 2), "phase": plan.peak_phase}
+    stop, used = threading.Event(), [0.0]
+    base = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                          capture_output=True, text=True).stdout.split()  # fmt: skip
+    poller = threading.Thread(target=poll_used, args=(stop, used), daemon=True)
+    poller.start()
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}", HF_HUB_OFFLINE="1")
+    done = subprocess.run([sys.executable, "-c", CHILD, "train", config, *overrides], cwd=ROOT, env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    stop.set()
+    poller.join()
+    line = next((x for x in done.stdout.splitlines() if x.startswith("PLAN_CHECK ")), None)
+    child = json.loads(line[len("PLAN_CHECK ") :]) if line else {"rc": done.returncode}
+    gib = plan_terms.GiB
+    result = {
+        "case": name,
+        "estimate_gb": round(plan.peak / gib, 2),
+        "phase": plan.peak_phase,
+        "allocated_gb": round(child.get("max_allocated", 0) / gib, 2),
+        "allocated_plus_context_gb": round((child.get("max_allocated", 0) + plan_terms.CUDA_OVERHEAD) / gib, 2),
+        "smi_peak_gb": round((used[0] - float(base[0] if base else 0)) / 1024, 2),
+        "rc": child.get("rc"),
+    }
+    if result["rc"] != 0:
+        result["stderr"] = done.stderr[-1500:]
+    measured = max(result["allocated_plus_context_gb"], result["smi_peak_gb"])
+    result["error_pct"] = round(100 * (result["estimate_gb"] - measured) / measured, 1) if measured else None
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--work", default="/tmp/plan_check", help="models, data and runs go here")
+    parser.add_argument("--plan-only", action="store_true", help="print the estimates (80 GiB H100), run nothing")
+    args = parser.parse_args()
+    work = Path(args.work)
+    results = []
+    for name in args.cases.split(","):
+        results.append(run_case(name, work, args.steps, args.plan_only))
+        print(json.dumps(results[-1]), flush=True)
+    if args.plan_only:
+        return
+        shutil.rmtree(work / "runs" / name, ignore_errors=True)
+    print(f"\n{'case':<22} {'plan GiB':>9} {'alloc+ctx':>10} {'smi peak':>9} {'error':>7}")
+    for r in results:
+        print(f"{r['case']:<22} {r['estimate_gb']:>9} {r['allocated_plus_context_gb']:>10} {r['smi_peak_gb']:>9} "
+              f"{r['error_pct']!s:>6}%")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
