@@ -408,6 +408,136 @@ def test_opening_sections_of_a_blank_form_changes_nothing(page, app_url):
     expect(page.get_by_role("option").first).to_contain_text("examples/quickstart/pt.yaml")
 
 
+def choose(page, elem_id: str, value: str) -> None:
+    """Pick a dropdown value by typing it (Enter selects it)."""
+    chooser = box(page, elem_id)
+    chooser.fill(value)
+    chooser.press("Enter")
+
+
+def blank_form(page, stage: str, dataset: str, output_dir: str) -> None:
+    """What a new user types into the blank form first: stage, model, dataset, output_dir."""
+    choose(page, "field-stage", stage)
+    set_field(page, "model.name_or_path", TINY_MODEL)
+    choose(page, "field-data-dataset", dataset)
+    set_field(page, "output_dir", output_dir)
+
+
+def tiny_sft(page, output_dir: str, max_steps: int) -> None:
+    """A few-step sft run on 16 rows, from the blank form."""
+    blank_form(page, "sft", "arith_sft", output_dir)
+    open_section(page, "data")
+    set_field(page, "data.max_samples", 16)
+    open_section(page, "train")
+    set_field(page, "train.max_steps", max_steps)
+
+
+@pytest.mark.slow
+def test_validate_checks_like_the_cli_with_errors_at_their_field(page, app_url):
+    """From the blank form, Validate refuses what train would (issue 16, item 3): a model name that is neither a
+    folder nor in the cache (offline), ZeRO on a CPU machine. Each error shows next to its field, a collapsed
+    section opens on its key, and the YAML of an earlier valid form is not left beside it (item 10)."""
+    blank_form(page, "sft", "arith_sft", "outputs/checks")
+    set_field(page, "model.name_or_path", "tiny-arith")  # the bundled model's name without data/models/
+    message, view, top = page.locator("#train-message"), page.locator("#yaml-view"), page.locator("#error-essentials")
+    page.locator("#btn-validate").click()
+    expect(top).to_contain_text("model.name_or_path: model path 'tiny-arith' does not exist", timeout=60_000)
+    expect(message).to_contain_text("not in the local Hugging Face cache")
+    set_field(page, "model.name_or_path", TINY_MODEL)
+    choose(page, "field-distributed-strategy", "zero2")  # the GPU strategy, next to the GPU count
+    page.locator("#btn-validate").click()
+    expect(top).to_contain_text("distributed.strategy zero2 needs GPUs", timeout=60_000)
+    choose(page, "field-distributed-strategy", "ddp")
+    page.locator("#btn-validate").click()
+    expect(message).to_contain_text("valid: stage sft", timeout=60_000)
+    expect(message).to_contain_text("data: 2000 sft examples from arith_sft")  # config check's own notes
+    expect(top).to_be_hidden()
+    expect(view).to_contain_text("stage: sft")
+    train = page.locator("#section-train")
+    open_section(page, "train")
+    set_field(page, "train.learning_rate", -1)
+    train.locator(".label-wrap").first.click()  # closed again: the error must open it
+    expect(box(page, "field-train-learning_rate")).to_be_hidden()
+    page.locator("#btn-validate").click()
+    expect(page.locator("#error-train")).to_contain_text("train.learning_rate", timeout=60_000)
+    expect(page.locator("#error-train")).to_contain_text("Input should be greater than 0")
+    expect(box(page, "field-train-learning_rate")).to_be_visible()
+    expect(message).to_contain_text("shown at train.learning_rate")
+    expect(view).not_to_contain_text("stage: sft")  # the earlier valid YAML is gone
+    assert not (app_url[1] / "outputs/checks").exists()
+
+
+@pytest.mark.slow
+def test_page_reload_reattaches_to_the_running_job(page, app_url):
+    """Start from the blank form, reload the page: the form shows the run's config, Monitor follows it and its
+    Stop ends the process tree (issue 16, item 5)."""
+    import psutil
+
+    _, workdir = app_url
+    out = "outputs/reattach"
+    tiny_sft(page, out, max_steps=5000)
+    start_run(page)
+    root = psutil.Process(run_state(workdir, out)["pid"])
+    page.reload()
+    expect(page.locator("#train-message")).to_contain_text(f"a run is going on in {out}", timeout=60_000)
+    expect(box(page, "field-output_dir")).to_have_value(out)
+    expect(box(page, "field-stage")).to_have_value("sft")
+    open_section(page, "train")
+    expect(box(page, "field-train-max_steps")).to_have_value("5000")
+    page.get_by_role("tab", name="Monitor").click()
+    expect(page.locator("#monitor-status")).to_contain_text(f"{out} · ● running", timeout=30_000)
+    tree = [root, *root.children(recursive=True)]
+    page.locator("#monitor-stop").click()
+    expect(page.locator("#monitor-stop-message")).to_contain_text(f"stopped the run in '{out}'", timeout=60_000)
+    expect(page.locator("#monitor-status")).to_contain_text("stopped", timeout=30_000)
+    assert not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    page.reload()  # nothing going on: the blank form stays blank
+    expect(page.locator("#btn-start")).to_be_visible(timeout=30_000)
+    page.wait_for_timeout(2000)
+    expect(box(page, "field-output_dir")).not_to_have_value(out)
+
+
+def _options(page, elem_id: str) -> typing.Any:
+    """The choices a dropdown offers (opened by a click)."""
+    box(page, elem_id).click()
+    return page.get_by_role("option")
+
+
+@pytest.mark.slow
+def test_runs_trained_in_the_page_reach_monitor_chat_and_export(page, app_url):
+    """A 2-process run from the blank form (GPU count in the top rows; gloo on CPU): when it finishes, Chat and
+    Export list it (issue 16, item 6); a second Start shows the new run in Monitor at once, not the finished one
+    (item 10); "refresh runs" lists a run written on disk since, in Chat too."""
+    _, workdir = app_url
+    tiny_sft(page, "outputs/first", max_steps=2)
+    set_field(page, "distributed.num_processes", 2)
+    start_run(page)
+    status = page.locator("#monitor-status")
+    expect(status).to_contain_text("outputs/first · ✓ finished", timeout=RUN_TIMEOUT_MS)
+    expect(page.locator("#monitor-progress")).to_contain_text("step 2/2")
+    assert "x 2 process(es)" in (workdir / "outputs/first/webui_run.log").read_text()
+    for tab, chooser in (("Chat", "chat-model"), ("Export", "export-adapter")):
+        page.get_by_role("tab", name=tab).click()
+        expect(_options(page, chooser).filter(has_text="outputs/first")).to_have_count(1, timeout=20_000)
+        box(page, chooser).press("Escape")
+
+    page.get_by_role("tab", name="Train").click()
+    set_field(page, "output_dir", "outputs/second")
+    set_field(page, "distributed.num_processes", 1)
+    page.locator("#btn-start").click()
+    expect(status).to_contain_text("outputs/second", timeout=60_000)
+    expect(page.locator("#monitor-progress")).not_to_contain_text("step 2/2")  # not the first run's bar
+    expect(page.locator("#chart-0")).to_be_hidden()  # nor its loss chart
+    expect(status).to_contain_text("outputs/second · ✓ finished", timeout=RUN_TIMEOUT_MS)
+
+    old = workdir / "outputs" / "written-since"
+    old.mkdir(parents=True)
+    (old / "config.yaml").write_text("stage: sft\n")
+    page.locator("#monitor-refresh").click()
+    page.get_by_role("tab", name="Chat").click()
+    expect(_options(page, "chat-model").filter(has_text="outputs/written-since")).to_have_count(1, timeout=20_000)
+
+
 def test_runs_list_opens_an_old_run(browser, app_url):
     """A run written earlier (not by this WebUI) is listed under outputs/ and viewed like a live one."""
     url, workdir = app_url

@@ -43,7 +43,7 @@ CHARTS: tuple[Chart, ...] = (
     Chart("phase timings (s)", ("timing_s/*",)),
 )
 MAX_CHARTS = len(CHARTS)
-RUNS_ROOT = "outputs"
+RUNS_ROOT = runner.RUNS_ROOT
 
 
 def read_records(output_dir: str | Path) -> list[dict[str, Any]]:
@@ -145,7 +145,7 @@ def summary(output_dir: str | Path) -> dict[str, Any]:
 
 
 def status_line(output_dir: str | Path) -> str:
-    """Markdown: the run's state and, when finished, where the model went and what it scored."""
+    """Markdown: the run's output dir and state and, when finished, where the model went and what it scored."""
     state = runner.status(output_dir)
     words = {
         "running": "● **running**",
@@ -154,7 +154,7 @@ def status_line(output_dir: str | Path) -> str:
         "stopped": "■ **stopped** (checkpoints kept; `resume_from_checkpoint: auto` continues the run)",
         "interrupted": "⚠ **interrupted** (the WebUI that started it went away)",
     }
-    line = words.get(state["status"], f"**{state['status']}**")
+    line = f"`{output_dir}` · " + words.get(state["status"], f"**{state['status']}**")  # which run is shown
     done = summary(output_dir)
     if state["status"] == "finished" and done:
         line += f": saved {done.get('saved_as')} model to `{done.get('output_dir')}` at step {done.get('global_step')}"
