@@ -700,6 +700,25 @@ def test_logins_are_throttled(tmp_path_factory: pytest.TempPathFactory):
 
 
 # --------------------------------------------------------------------------- without a browser
+def test_an_error_is_placed_at_the_field_it_names():
+    """The key a Validate/Start error is about (earliest named; dotted paths anywhere, top-level keys only where a
+    clause starts; the messages that name no key by their wording), and None for prose."""
+    from rlfactory.webui import schema_form as sf
+
+    specs = sf.all_fields(sf.form_sections())
+    cases = {
+        "WebUI form: invalid config: train.learning_rate: Input should be > 0": "train.learning_rate",
+        "distributed.strategy zero2 needs GPUs; see train.deepspeed": "distributed.strategy",
+        "tools: 'nofile.py:f': file 'nofile.py' does not exist": "tools",
+        "output_dir 'outputs/x' is busy: a run is still going on there": "output_dir",
+        "dataset 'nope' is not in data/dataset_info.yaml": "data.dataset",
+        "unknown reward function 'answer_mtch' (did you mean 'answer_match'?)": "reward.functions",
+        "the stage needs a model: set it in the run file": None,
+        "rollout.num_samples_extra: unknown": None,  # a longer key is not rollout.num_samples
+    }
+    assert {message: sf.error_field(message, specs) for message in cases} == cases
+
+
 def test_form_comes_from_the_schema():
     """Every schema key gets exactly one field, of the right kind; a field added to the schema appears."""
     from pydantic import Field
