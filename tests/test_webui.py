@@ -558,6 +558,41 @@ def test_runs_list_opens_an_old_run(browser, app_url):
     context.close()
 
 
+def test_monitor_shows_an_rl_run_readably(page, app_url):
+    """An RL run's Monitor (issue 16, items 8 and 9): the KL to the reference has its chart; the rollouts table shows
+    the question without template tokens, and its reward and advantage columns are in view without scrolling."""
+    _, workdir = app_url
+    run = workdir / "outputs" / "old-grpo"
+    (run / "rollouts").mkdir(parents=True)
+    (run / "config.yaml").write_text("stage: grpo\ntrain:\n  max_steps: 2\n")
+    records = [
+        {"step": s, "actor/ppo_kl": 0.001 * s, "actor/kl_loss": 0.02 * s, "score/mean": 0.5, "eta_s": 2 - s}
+        for s in (1, 2)
+    ]
+    (run / "trainer_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    tools = json.dumps({"type": "function", "function": {"name": "calculator", "description": "Evaluate. " * 20}})
+    prompt = (
+        f"<|im_start|>system\nSolve the problem.\n\n# Tools\n<tools>\n{tools}\n</tools><|im_end|>\n"
+        "<|im_start|>user\nMia has 3 boxes with 4 pens in each box. How many pens?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    parts = {"answer_match": 1.0, "tool_call_validity": 1.0, "tool_errors": 0.0, "tool_format": 1.0}
+    row = {"step": 2, "prompt": prompt, "completion": "3 * 4 = 12. " * 12 + "The answer is 12.", "answer": "12"}
+    row |= {"rewards": parts, "score": 1.2, "advantage": 0.35355299711227417}
+    (run / "rollouts" / "step_00002.jsonl").write_text(json.dumps(row) + "\n")
+    page.get_by_role("tab", name="Monitor").click()
+    choose(page, "monitor-run", "outputs/old-grpo")
+    table = page.locator("#monitor-rollouts")
+    expect(table).to_contain_text("How many pens?", timeout=30_000)
+    expect(table).not_to_contain_text("im_start")
+    expect(page.locator("[id^=chart-]").filter(has_text="KL to the reference")).to_be_visible()
+    right = table.bounding_box()["x"] + table.bounding_box()["width"]
+    for header in ("reward", "advantage", "reward/tool_format"):
+        cell = table.locator("th").filter(has_text=header).last
+        expect(cell).to_be_visible()
+        assert cell.bounding_box()["x"] + cell.bounding_box()["width"] <= right + 1, f"{header} is out of view"
+    expect(table).to_contain_text("0.354")
+
+
 def test_chat_with_the_tiny_model(page):
     """Load the bundled model on the Chat tab and get a reply rendered through its chat template."""
     page.get_by_role("tab", name="Chat").click()
@@ -832,7 +867,9 @@ def test_monitor_reads_any_stage_log(tmp_path: Path):
     charts = dict(monitor.chart_series(monitor.read_records(tmp_path)))
     assert list(charts) == ["loss", "learning rate", "reward margin", "score", "reward components", "phase timings (s)"]
     assert {row["series"] for row in charts["loss"]} == {"loss", "eval_loss"}
-    assert {row["series"] for row in charts["phase timings (s)"]} == {"timing_s/gen", "timing_s/update"}
+    # legends name what the chart's pattern leaves open: full keys ran out of a third-of-the-page chart
+    assert {row["series"] for row in charts["phase timings (s)"]} == {"gen", "update"}
+    assert {row["series"] for row in charts["reward components"]} == {"answer_match"}
     fraction, line = monitor.progress(tmp_path, monitor.read_records(tmp_path))
     assert fraction == pytest.approx(0.2) and "step 2/10" in line and "ETA 16s" in line
 
@@ -852,7 +889,7 @@ def test_monitor_reads_any_stage_log(tmp_path: Path):
     assert name == "step_10.jsonl"
     assert rows == [
         {
-            "prompt": "user: q10",
+            "prompt": "q10",  # the last user message
             "completion": "a",
             "reward": 1.0,
             "answer": "4",
@@ -860,6 +897,14 @@ def test_monitor_reads_any_stage_log(tmp_path: Path):
             "reward/answer_match": 1.0,
             "reward/format": 0.0,
         }
+    ]
+    rendered = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nq?<|im_end|>\n<|im_start|>assistant\n"
+    assert monitor.prompt_text(rendered) == "system\nBe brief.\nuser\nq?\nassistant"
+    assert monitor.prompt_text("x" * 300 + " the question?") == "…" + ("x" * 300 + " the question?")[-240:]
+    kl = [{"step": 1, "actor/kl_loss": 0.1, "actor/reward_kl": 0.2, "actor/ppo_kl": 0.0}]
+    assert [(t, {r["series"] for r in rows}) for t, rows in monitor.chart_series(kl)] == [
+        ("KL to the reference", {"actor/kl_loss", "actor/reward_kl"}),
+        ("policy KL (to the rollout policy)", {"actor/ppo_kl"}),
     ]
     (tmp_path / "webui_run.log").write_text("start\nsft:  0%\rsft: 50%\rsft: 100%\ndone\n")
     assert monitor.log_text(tmp_path) == "start\nsft: 100%\ndone"
