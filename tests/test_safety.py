@@ -244,6 +244,8 @@ def test_stop_after_a_restart_signals_the_verified_run(tmp_path: Path, monkeypat
         active.stopping = True
     monkeypatch.setattr(runner, "_ACTIVE", {})  # as if the WebUI had been restarted
     assert runner.is_busy("outputs/r")
+    assert runner.live_runs() == [Path("outputs/r")]  # what a reloaded page reattaches to
     assert runner.stop("outputs/r").startswith("stopped the run in 'outputs/r'")
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert runner.status("outputs/r")["status"] == "stopped"
+    assert runner.live_runs() == []

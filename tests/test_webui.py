@@ -408,6 +408,136 @@ def test_opening_sections_of_a_blank_form_changes_nothing(page, app_url):
     expect(page.get_by_role("option").first).to_contain_text("examples/quickstart/pt.yaml")
 
 
+def choose(page, elem_id: str, value: str) -> None:
+    """Pick a dropdown value by typing it (Enter selects it)."""
+    chooser = box(page, elem_id)
+    chooser.fill(value)
+    chooser.press("Enter")
+
+
+def blank_form(page, stage: str, dataset: str, output_dir: str) -> None:
+    """What a new user types into the blank form first: stage, model, dataset, output_dir."""
+    choose(page, "field-stage", stage)
+    set_field(page, "model.name_or_path", TINY_MODEL)
+    choose(page, "field-data-dataset", dataset)
+    set_field(page, "output_dir", output_dir)
+
+
+def tiny_sft(page, output_dir: str, max_steps: int) -> None:
+    """A few-step sft run on 16 rows, from the blank form."""
+    blank_form(page, "sft", "arith_sft", output_dir)
+    open_section(page, "data")
+    set_field(page, "data.max_samples", 16)
+    open_section(page, "train")
+    set_field(page, "train.max_steps", max_steps)
+
+
+@pytest.mark.slow
+def test_validate_checks_like_the_cli_with_errors_at_their_field(page, app_url):
+    """From the blank form, Validate refuses what train would (issue 16, item 3): a model name that is neither a
+    folder nor in the cache (offline), ZeRO on a CPU machine. Each error shows next to its field, a collapsed
+    section opens on its key, and the YAML of an earlier valid form is not left beside it (item 10)."""
+    blank_form(page, "sft", "arith_sft", "outputs/checks")
+    set_field(page, "model.name_or_path", "tiny-arith")  # the bundled model's name without data/models/
+    message, view, top = page.locator("#train-message"), page.locator("#yaml-view"), page.locator("#error-essentials")
+    page.locator("#btn-validate").click()
+    expect(top).to_contain_text("model.name_or_path: model path 'tiny-arith' does not exist", timeout=60_000)
+    expect(message).to_contain_text("not in the local Hugging Face cache")
+    set_field(page, "model.name_or_path", TINY_MODEL)
+    choose(page, "field-distributed-strategy", "zero2")  # the GPU strategy, next to the GPU count
+    page.locator("#btn-validate").click()
+    expect(top).to_contain_text("distributed.strategy zero2 needs GPUs", timeout=60_000)
+    choose(page, "field-distributed-strategy", "ddp")
+    page.locator("#btn-validate").click()
+    expect(message).to_contain_text("valid: stage sft", timeout=60_000)
+    expect(message).to_contain_text("data: 2000 sft examples from arith_sft")  # config check's own notes
+    expect(top).to_be_hidden()
+    expect(view).to_contain_text("stage: sft")
+    train = page.locator("#section-train")
+    open_section(page, "train")
+    set_field(page, "train.learning_rate", -1)
+    train.locator(".label-wrap").first.click()  # closed again: the error must open it
+    expect(box(page, "field-train-learning_rate")).to_be_hidden()
+    page.locator("#btn-validate").click()
+    expect(page.locator("#error-train")).to_contain_text("train.learning_rate", timeout=60_000)
+    expect(page.locator("#error-train")).to_contain_text("Input should be greater than 0")
+    expect(box(page, "field-train-learning_rate")).to_be_visible()
+    expect(message).to_contain_text("shown at train.learning_rate")
+    expect(view).not_to_contain_text("stage: sft")  # the earlier valid YAML is gone
+    assert not (app_url[1] / "outputs/checks").exists()
+
+
+@pytest.mark.slow
+def test_page_reload_reattaches_to_the_running_job(page, app_url):
+    """Start from the blank form, reload the page: the form shows the run's config, Monitor follows it and its
+    Stop ends the process tree (issue 16, item 5)."""
+    import psutil
+
+    _, workdir = app_url
+    out = "outputs/reattach"
+    tiny_sft(page, out, max_steps=5000)
+    start_run(page)
+    root = psutil.Process(run_state(workdir, out)["pid"])
+    page.reload()
+    expect(page.locator("#train-message")).to_contain_text(f"a run is going on in {out}", timeout=60_000)
+    expect(box(page, "field-output_dir")).to_have_value(out)
+    expect(box(page, "field-stage")).to_have_value("sft")
+    open_section(page, "train")
+    expect(box(page, "field-train-max_steps")).to_have_value("5000")
+    page.get_by_role("tab", name="Monitor").click()
+    expect(page.locator("#monitor-status")).to_contain_text(f"{out} · ● running", timeout=30_000)
+    tree = [root, *root.children(recursive=True)]
+    page.locator("#monitor-stop").click()
+    expect(page.locator("#monitor-stop-message")).to_contain_text(f"stopped the run in '{out}'", timeout=60_000)
+    expect(page.locator("#monitor-status")).to_contain_text("stopped", timeout=30_000)
+    assert not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    page.reload()  # nothing going on: the blank form stays blank
+    expect(page.locator("#btn-start")).to_be_visible(timeout=30_000)
+    page.wait_for_timeout(2000)
+    expect(box(page, "field-output_dir")).not_to_have_value(out)
+
+
+def _options(page, elem_id: str) -> typing.Any:
+    """The choices a dropdown offers (opened by a click)."""
+    box(page, elem_id).click()
+    return page.get_by_role("option")
+
+
+@pytest.mark.slow
+def test_runs_trained_in_the_page_reach_monitor_chat_and_export(page, app_url):
+    """A 2-process run from the blank form (GPU count in the top rows; gloo on CPU): when it finishes, Chat and
+    Export list it (issue 16, item 6); a second Start shows the new run in Monitor at once, not the finished one
+    (item 10); "refresh runs" lists a run written on disk since, in Chat too."""
+    _, workdir = app_url
+    tiny_sft(page, "outputs/first", max_steps=2)
+    set_field(page, "distributed.num_processes", 2)
+    start_run(page)
+    status = page.locator("#monitor-status")
+    expect(status).to_contain_text("outputs/first · ✓ finished", timeout=RUN_TIMEOUT_MS)
+    expect(page.locator("#monitor-progress")).to_contain_text("step 2/2")
+    assert "x 2 process(es)" in (workdir / "outputs/first/webui_run.log").read_text()
+    for tab, chooser in (("Chat", "chat-model"), ("Export", "export-adapter")):
+        page.get_by_role("tab", name=tab).click()
+        expect(_options(page, chooser).filter(has_text="outputs/first")).to_have_count(1, timeout=20_000)
+        box(page, chooser).press("Escape")
+
+    page.get_by_role("tab", name="Train").click()
+    set_field(page, "output_dir", "outputs/second")
+    set_field(page, "distributed.num_processes", 1)
+    page.locator("#btn-start").click()
+    expect(status).to_contain_text("outputs/second", timeout=60_000)
+    expect(page.locator("#monitor-progress")).not_to_contain_text("step 2/2")  # not the first run's bar
+    expect(page.locator("#chart-0")).to_be_hidden()  # nor its loss chart
+    expect(status).to_contain_text("outputs/second · ✓ finished", timeout=RUN_TIMEOUT_MS)
+
+    old = workdir / "outputs" / "written-since"
+    old.mkdir(parents=True)
+    (old / "config.yaml").write_text("stage: sft\n")
+    page.locator("#monitor-refresh").click()
+    page.get_by_role("tab", name="Chat").click()
+    expect(_options(page, "chat-model").filter(has_text="outputs/written-since")).to_have_count(1, timeout=20_000)
+
+
 def test_runs_list_opens_an_old_run(browser, app_url):
     """A run written earlier (not by this WebUI) is listed under outputs/ and viewed like a live one."""
     url, workdir = app_url
@@ -426,6 +556,41 @@ def test_runs_list_opens_an_old_run(browser, app_url):
     expect(page.locator("#monitor-progress")).to_contain_text("step 3/3")
     expect(page.locator("#chart-0")).to_contain_text("loss")
     context.close()
+
+
+def test_monitor_shows_an_rl_run_readably(page, app_url):
+    """An RL run's Monitor (issue 16, items 8 and 9): the KL to the reference has its chart; the rollouts table shows
+    the question without template tokens, and its reward and advantage columns are in view without scrolling."""
+    _, workdir = app_url
+    run = workdir / "outputs" / "old-grpo"
+    (run / "rollouts").mkdir(parents=True)
+    (run / "config.yaml").write_text("stage: grpo\ntrain:\n  max_steps: 2\n")
+    records = [
+        {"step": s, "actor/ppo_kl": 0.001 * s, "actor/kl_loss": 0.02 * s, "score/mean": 0.5, "eta_s": 2 - s}
+        for s in (1, 2)
+    ]
+    (run / "trainer_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    tools = json.dumps({"type": "function", "function": {"name": "calculator", "description": "Evaluate. " * 20}})
+    prompt = (
+        f"<|im_start|>system\nSolve the problem.\n\n# Tools\n<tools>\n{tools}\n</tools><|im_end|>\n"
+        "<|im_start|>user\nMia has 3 boxes with 4 pens in each box. How many pens?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    parts = {"answer_match": 1.0, "tool_call_validity": 1.0, "tool_errors": 0.0, "tool_format": 1.0}
+    row = {"step": 2, "prompt": prompt, "completion": "3 * 4 = 12. " * 12 + "The answer is 12.", "answer": "12"}
+    row |= {"rewards": parts, "score": 1.2, "advantage": 0.35355299711227417}
+    (run / "rollouts" / "step_00002.jsonl").write_text(json.dumps(row) + "\n")
+    page.get_by_role("tab", name="Monitor").click()
+    choose(page, "monitor-run", "outputs/old-grpo")
+    table = page.locator("#monitor-rollouts")
+    expect(table).to_contain_text("How many pens?", timeout=30_000)
+    expect(table).not_to_contain_text("im_start")
+    expect(page.locator("[id^=chart-]").filter(has_text="KL to the reference")).to_be_visible()
+    right = table.bounding_box()["x"] + table.bounding_box()["width"]
+    for header in ("reward", "advantage", "reward/tool_format"):
+        cell = table.locator("th").filter(has_text=header).last
+        expect(cell).to_be_visible()
+        assert cell.bounding_box()["x"] + cell.bounding_box()["width"] <= right + 1, f"{header} is out of view"
+    expect(table).to_contain_text("0.354")
 
 
 def test_chat_with_the_tiny_model(page):
@@ -570,6 +735,25 @@ def test_logins_are_throttled(tmp_path_factory: pytest.TempPathFactory):
 
 
 # --------------------------------------------------------------------------- without a browser
+def test_an_error_is_placed_at_the_field_it_names():
+    """The key a Validate/Start error is about (earliest named; dotted paths anywhere, top-level keys only where a
+    clause starts; the messages that name no key by their wording), and None for prose."""
+    from rlfactory.webui import schema_form as sf
+
+    specs = sf.all_fields(sf.form_sections())
+    cases = {
+        "WebUI form: invalid config: train.learning_rate: Input should be > 0": "train.learning_rate",
+        "distributed.strategy zero2 needs GPUs; see train.deepspeed": "distributed.strategy",
+        "tools: 'nofile.py:f': file 'nofile.py' does not exist": "tools",
+        "output_dir 'outputs/x' is busy: a run is still going on there": "output_dir",
+        "dataset 'nope' is not in data/dataset_info.yaml": "data.dataset",
+        "unknown reward function 'answer_mtch' (did you mean 'answer_match'?)": "reward.functions",
+        "the stage needs a model: set it in the run file": None,
+        "rollout.num_samples_extra: unknown": None,  # a longer key is not rollout.num_samples
+    }
+    assert {message: sf.error_field(message, specs) for message in cases} == cases
+
+
 def test_form_comes_from_the_schema():
     """Every schema key gets exactly one field, of the right kind; a field added to the schema appears."""
     from pydantic import Field
@@ -683,7 +867,9 @@ def test_monitor_reads_any_stage_log(tmp_path: Path):
     charts = dict(monitor.chart_series(monitor.read_records(tmp_path)))
     assert list(charts) == ["loss", "learning rate", "reward margin", "score", "reward components", "phase timings (s)"]
     assert {row["series"] for row in charts["loss"]} == {"loss", "eval_loss"}
-    assert {row["series"] for row in charts["phase timings (s)"]} == {"timing_s/gen", "timing_s/update"}
+    # legends name what the chart's pattern leaves open: full keys ran out of a third-of-the-page chart
+    assert {row["series"] for row in charts["phase timings (s)"]} == {"gen", "update"}
+    assert {row["series"] for row in charts["reward components"]} == {"answer_match"}
     fraction, line = monitor.progress(tmp_path, monitor.read_records(tmp_path))
     assert fraction == pytest.approx(0.2) and "step 2/10" in line and "ETA 16s" in line
 
@@ -703,7 +889,7 @@ def test_monitor_reads_any_stage_log(tmp_path: Path):
     assert name == "step_10.jsonl"
     assert rows == [
         {
-            "prompt": "user: q10",
+            "prompt": "q10",  # the last user message
             "completion": "a",
             "reward": 1.0,
             "answer": "4",
@@ -711,6 +897,14 @@ def test_monitor_reads_any_stage_log(tmp_path: Path):
             "reward/answer_match": 1.0,
             "reward/format": 0.0,
         }
+    ]
+    rendered = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nq?<|im_end|>\n<|im_start|>assistant\n"
+    assert monitor.prompt_text(rendered) == "system\nBe brief.\nuser\nq?\nassistant"
+    assert monitor.prompt_text("x" * 300 + " the question?") == "…" + ("x" * 300 + " the question?")[-240:]
+    kl = [{"step": 1, "actor/kl_loss": 0.1, "actor/reward_kl": 0.2, "actor/ppo_kl": 0.0}]
+    assert [(t, {r["series"] for r in rows}) for t, rows in monitor.chart_series(kl)] == [
+        ("KL to the reference", {"actor/kl_loss", "actor/reward_kl"}),
+        ("policy KL (to the rollout policy)", {"actor/ppo_kl"}),
     ]
     (tmp_path / "webui_run.log").write_text("start\nsft:  0%\rsft: 50%\rsft: 100%\ndone\n")
     assert monitor.log_text(tmp_path) == "start\nsft: 100%\ndone"

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfactory.config.schema import PipelineConfig, RunConfig
+from rlfactory.errors import UserError
 
 
 def _load(run: RunConfig, names: list[str], max_samples: int | None) -> tuple[list[dict], str]:
@@ -46,18 +47,23 @@ def check_template(tokenizer: object, examples: list[dict]) -> str:
     return note
 
 
-def check_run(run: RunConfig) -> list[str]:
+def check_run(run: RunConfig, here: bool = False) -> list[str]:
     """Everything ``train`` checks before its first step: the DeepSpeed file, the resume target and output_dir,
     datasets (rows converted and validated), the stage's own rules (names, user code), the model folder (config,
     weights, adapters), its tokenizer and chat template, and the data rendered as the stage renders it. Raises
-    UserError. What this machine lacks (a GPU, a package) is a warning line: the file may be for another machine."""
+    UserError. What this machine lacks (a GPU, a package, a hub model not in the cache when offline) is a warning
+    line, since the file may be for another machine; with ``here`` (the run starts on this machine, as from the
+    WebUI) it is the error train would stop with."""
     from rlfactory.engine import run_dir
     from rlfactory.engine.shared import check_deepspeed_file, environment_problems
 
     label = f"[{run.name or run.stage}]"
     check_deepspeed_file(run)
     notes = [f"{label} warning: {warning}" for warning in run.unused_sections()]
-    notes += [f"{label} warning: on this machine, {problem}" for problem in environment_problems(run)]
+    problems = environment_problems(run)
+    if here and problems:
+        raise UserError(problems[0])
+    notes += [f"{label} warning: on this machine, {problem}" for problem in problems]
     resume_from = run_dir.resolve_resume(run.output_dir, run.resume_from_checkpoint)
     run_dir.check_output_dir(run.output_dir, run.overwrite_output_dir, resume_from)
     train, kind = _load(run, run.data.dataset, run.data.max_samples)
@@ -74,7 +80,7 @@ def check_run(run: RunConfig) -> list[str]:
     stage_check = getattr(get_stage(run.stage), "check", None)  # the stage's own rules (names, columns, files)
     if stage_check is not None:
         notes += list(stage_check(run) or [])
-    notes.append(_check_model(run, label))
+    notes.append(_check_model(run, label, here))
     if Path(str(run.model.name_or_path)).expanduser().is_dir() and run.model.from_stage is None:
         from rlfactory.model.loader import load_tokenizer
 
@@ -137,11 +143,10 @@ RENDERERS: dict[str, Callable[[RunConfig, Any], int]] = {
 }
 
 
-def _check_model(run: RunConfig, label: str) -> str:
+def _check_model(run: RunConfig, label: str, here: bool = False) -> str:
     """The model folder and adapters (from a pipeline's earlier stage: known when that stage has run)."""
     if run.model.from_stage is not None:
         return f"{label} model: from stage {run.model.from_stage} (checked when that stage has run)"
-    from rlfactory.errors import UserError
     from rlfactory.model.loader import check_model_paths, is_hub_id
 
     path = str(run.model.name_or_path)
@@ -151,11 +156,14 @@ def _check_model(run: RunConfig, label: str) -> str:
     try:  # a hub id: whether it can be had is a matter of this machine (its cache, its network)
         check_model_paths(run.model)
     except UserError as exc:
+        if here:
+            raise
         return f"{label} warning: on this machine, {exc}"
     return f"{label} model: {path} (a hub id: downloaded or read from the cache when the run starts)"
 
 
-def check_config(config: RunConfig | PipelineConfig) -> list[str]:
+def check_config(config: RunConfig | PipelineConfig, here: bool = False) -> list[str]:
+    """Every run's ``check_run`` (a finished stage a rerun would skip is not checked); ``here``: see check_run."""
     from rlfactory.engine import run_dir
 
     runs = config.stages if isinstance(config, PipelineConfig) else [config]
@@ -164,5 +172,5 @@ def check_config(config: RunConfig | PipelineConfig) -> list[str]:
         if run_dir.skips_finished(run.output_dir, run.resume_from_checkpoint, len(runs) > 1) is not None:
             notes.append(f"[{run.name or run.stage}] finished already in {run.output_dir}: skipped (resume)")
             continue
-        notes += check_run(run)
+        notes += check_run(run, here)
     return notes

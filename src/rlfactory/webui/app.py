@@ -40,18 +40,24 @@ def build_app() -> Any:
                 train = TrainTab()
             with gr.Tab("Monitor", id="monitor", elem_id="tab-monitor"):
                 monitor = MonitorTab()
-            with gr.Tab("Chat", id="chat", elem_id="tab-chat"):
+            with gr.Tab("Chat", id="chat", elem_id="tab-chat") as chat_page:
                 chat = ChatTab()
-            with gr.Tab("Export", id="export", elem_id="tab-export"):
+            with gr.Tab("Export", id="export", elem_id="tab-export") as export_page:
                 export = ExportTab()
-        train.wire(tabs, monitor.run)
+        train.wire(tabs, monitor)
         monitor.wire()
         chat.wire()
         export.wire()
-        # lists of runs are read when a page opens, not when the app was built
+        # lists of runs are read when a page opens, not when the app was built; a run going on is reattached
         app.load(monitor.on_refresh, None, [monitor.run, monitor.runs])
-        app.load(chat.on_refresh, None, chat.path)
-        app.load(export.on_refresh, None, export.path)
+        app.load(train.on_reattach, None, [*train.inputs, *train.stage_groups.values(), train.message, monitor.run])
+        # Chat and Export list runs trained since: when a run's row changes (it finished), on "refresh runs",
+        # and when their tab opens
+        for page, tab in ((chat_page, chat), (export_page, export)):
+            app.load(tab.on_refresh, None, tab.path)
+            monitor.runs.change(tab.on_refresh, None, tab.path, show_progress="hidden")
+            monitor.refresh_btn.click(tab.on_refresh, None, tab.path)
+            page.select(tab.on_refresh, None, tab.path)
     return app
 
 

@@ -36,14 +36,15 @@ CHARTS: tuple[Chart, ...] = (
     Chart("preference accuracy", ("rewards/accuracies", "eval_rewards/accuracies")),
     Chart("score", ("score/mean", "val/score")),
     Chart("reward components", ("reward/*/mean",)),
-    Chart("policy KL", ("actor/ppo_kl",)),
+    Chart("KL to the reference", ("actor/kl_loss", "actor/reward_kl")),  # the kl_loss term, the KL in the reward
+    Chart("policy KL (to the rollout policy)", ("actor/ppo_kl",)),
     Chart("entropy", ("actor/entropy",)),
     Chart("response length", ("response_length/mean",)),
     Chart("clip fraction", ("actor/pg_clipfrac",)),
     Chart("phase timings (s)", ("timing_s/*",)),
 )
 MAX_CHARTS = len(CHARTS)
-RUNS_ROOT = "outputs"
+RUNS_ROOT = runner.RUNS_ROOT
 
 
 def read_records(output_dir: str | Path) -> list[dict[str, Any]]:
@@ -62,6 +63,16 @@ def read_records(output_dir: str | Path) -> list[dict[str, Any]]:
     return records
 
 
+def series_name(key: str, pattern: str) -> str:
+    """A key's legend entry: what its pattern's ``*`` matched (``reward/tool_call_validity/mean`` ->
+    ``tool_call_validity`` in "reward components"), else the key. A chart is a third of the page wide: full keys ran
+    out of its legend."""
+    if "*" not in pattern:
+        return key
+    head, _, tail = pattern.partition("*")
+    return key[len(head) : len(key) - len(tail)] or key
+
+
 def chart_series(records: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
     """[(chart title, rows of {step, value, series})] for each chart that has data, in CHARTS order."""
     keys: list[str] = []
@@ -69,10 +80,10 @@ def chart_series(records: list[dict[str, Any]]) -> list[tuple[str, list[dict[str
         keys += [k for k in record if k not in keys]
     charts = []
     for chart in CHARTS:
-        matched = [k for pattern in chart.patterns for k in keys if fnmatch.fnmatchcase(k, pattern)]
+        matched = {k: series_name(k, p) for p in chart.patterns for k in keys if fnmatch.fnmatchcase(k, p)}
         rows = [
-            {"step": r["step"], "value": float(r[k]), "series": k}
-            for k in dict.fromkeys(matched)
+            {"step": r["step"], "value": float(r[k]), "series": name}
+            for k, name in matched.items()
             for r in records
             if isinstance(r.get(k), int | float)
         ]
@@ -145,7 +156,7 @@ def summary(output_dir: str | Path) -> dict[str, Any]:
 
 
 def status_line(output_dir: str | Path) -> str:
-    """Markdown: the run's state and, when finished, where the model went and what it scored."""
+    """Markdown: the run's output dir and state and, when finished, where the model went and what it scored."""
     state = runner.status(output_dir)
     words = {
         "running": "● **running**",
@@ -154,7 +165,7 @@ def status_line(output_dir: str | Path) -> str:
         "stopped": "■ **stopped** (checkpoints kept; `resume_from_checkpoint: auto` continues the run)",
         "interrupted": "⚠ **interrupted** (the WebUI that started it went away)",
     }
-    line = words.get(state["status"], f"**{state['status']}**")
+    line = f"`{output_dir}` · " + words.get(state["status"], f"**{state['status']}**")  # which run is shown
     done = summary(output_dir)
     if state["status"] == "finished" and done:
         line += f": saved {done.get('saved_as')} model to `{done.get('output_dir')}` at step {done.get('global_step')}"
@@ -229,6 +240,20 @@ def rollouts(output_dir: str | Path, limit: int = 20) -> tuple[str, list[dict[st
     return files[-1].name, rows
 
 
+TEMPLATE_TOKEN = re.compile(r"<\|[^|<>]{1,40}\|>|</?s>|\[/?INST\]")  # <|im_start|>, <|eot_id|>, <s>, [INST]
+PROMPT_CHARS = 240  # the prompt's tail shown: a system prompt and tool schemas come first, the question last
+
+
+def prompt_text(value: Any) -> str:
+    """A rollout's prompt for the table: the last user message (chat messages), or the rendered prompt without its
+    template tokens, its tail when long (the question is at the end)."""
+    if isinstance(value, list):
+        users = [m for m in value if isinstance(m, dict) and m.get("role") == "user"]
+        return str(users[-1].get("content")) if users else _text_of(value)
+    text = re.sub(r"\n{2,}", "\n", TEMPLATE_TOKEN.sub("", _text_of(value))).strip()
+    return text if len(text) <= PROMPT_CHARS else "…" + text[-PROMPT_CHARS:].lstrip()
+
+
 def _text_of(value: Any) -> str:
     """A prompt/completion field: plain text, or a list of chat messages shown as 'role: content'."""
     if isinstance(value, list):
@@ -238,7 +263,7 @@ def _text_of(value: Any) -> str:
 
 def _rollout_row(record: dict[str, Any]) -> dict[str, Any]:
     row = {
-        "prompt": _text_of(record.get("prompt", record.get("messages"))),
+        "prompt": prompt_text(record.get("prompt", record.get("messages"))),
         "completion": _text_of(record.get("completion", record.get("response"))),
         "reward": record.get("reward", record.get("score")),
     }

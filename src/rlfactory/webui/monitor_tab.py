@@ -14,6 +14,7 @@ from rlfactory.webui.train_tab import error_md, stop_message
 
 TICK_S = 1.0
 CHARTS_PER_ROW = 3
+ROLLOUT_WIDTHS = ["30%", "34%"]  # prompt, completion; the numeric columns share the rest
 
 
 def _progress_html(fraction: float, line: str) -> str:
@@ -83,7 +84,12 @@ class MonitorTab:
                 plots.append(gr.LinePlot(visible=False))
         name, rollout_rows = monitor.rollouts(run)
         rollouts = (
-            gr.Dataframe(value=pd.DataFrame(rollout_rows), label=f"latest rollouts ({name})", visible=True)
+            gr.Dataframe(
+                value=pd.DataFrame(rollout_rows).round(3),
+                label=f"latest rollouts ({name})",
+                visible=True,
+                column_widths=ROLLOUT_WIDTHS,  # prompt and completion wrap; the numbers stay in view
+            )
             if rollout_rows
             else gr.Dataframe(visible=False)
         )

@@ -41,6 +41,7 @@ from rlfactory.webui import workspace
 YAML_NAME = "webui_run.yaml"
 LOG_NAME = "webui_run.log"
 STATE_NAME = "webui_run.json"
+RUNS_ROOT = "outputs"  # where the page lists runs (relative to the workspace)
 STOP_GRACE_S = 30.0  # on SIGTERM a run finishes its step and saves a checkpoint: time for that, then SIGKILL
 
 
@@ -55,8 +56,11 @@ _ACTIVE: dict[Path, _Active] = {}
 _LOCK = threading.Lock()
 
 
-def validate(raw: dict[str, Any], source: str = "WebUI form") -> RunConfig:
-    """The CLI's validation (schema, then datasets, model path and template); raises UserError."""
+def check(raw: dict[str, Any], source: str = "WebUI form") -> tuple[RunConfig, list[str]]:
+    """``rlfactory config check`` on the form (schema, datasets, reward and tool files, model path or cache,
+    template, the stage's rendering), for a run on this machine: what it lacks (a GPU for zero3, a hub model not
+    in the cache when offline) is an error here, not the CLI's warning. Returns the config and the check's notes;
+    raises UserError."""
     from rlfactory.config.loader import validate_config
     from rlfactory.stages.check import check_config
 
@@ -64,8 +68,11 @@ def validate(raw: dict[str, Any], source: str = "WebUI form") -> RunConfig:
     if not isinstance(config, RunConfig):
         raise UserError("the WebUI runs one stage at a time; run pipeline YAMLs with `rlfactory train`")
     workspace.check_run_paths(config)  # before check_config reads the model and the data
-    check_config(config)
-    return config
+    return config, check_config(config, here=True)
+
+
+def validate(raw: dict[str, Any], source: str = "WebUI form") -> RunConfig:
+    return check(raw, source)[0]
 
 
 def read_state(output_dir: str | Path) -> dict[str, Any]:
@@ -257,6 +264,20 @@ def stop(output_dir: str | Path) -> str:
     else:  # started by an earlier WebUI process: nobody watches it, record the end here
         _write_state(key, status="stopped", ended=time.time())
     return f"stopped the run in '{output_dir}' (checkpoints kept: resume_from_checkpoint: auto continues it)"
+
+
+def live_runs() -> list[Path]:
+    """The runs going on that this WebUI can stop, newest first (a reloaded page or a second tab reattaches to the
+    first): those this process started, then runs under outputs/ that an earlier WebUI of this workspace started
+    (their state file verified). Paths relative to the workspace when inside it, as the page shows them."""
+    root = workspace.current().root
+    with _LOCK:
+        mine = [key for key, active in _ACTIVE.items() if active.process.poll() is None]
+        states = [*(root / RUNS_ROOT).glob(f"*/{STATE_NAME}"), *(root / RUNS_ROOT).glob(f"*/*/{STATE_NAME}")]
+        found = {path.parent.resolve() for path in states} - set(mine)
+        earlier = [key for key in found if _run_process(key, read_state(key)) is not None]
+    newest = sorted([*mine, *earlier], key=lambda key: read_state(key).get("started") or 0, reverse=True)
+    return [key.relative_to(root) if key.is_relative_to(root) else key for key in newest]
 
 
 def status(output_dir: str | Path) -> dict[str, Any]:

@@ -263,3 +263,26 @@ def _leaf_paths(raw: dict[str, Any], prefix: str = "") -> list[str]:
 def raw_to_yaml(raw: dict[str, Any]) -> str:
     """The raw mapping as YAML, sections in schema order (what Preview/Save show and Start runs)."""
     return yaml.safe_dump(raw, sort_keys=False, default_flow_style=False, allow_unicode=True)
+
+
+# Errors that say what is wrong without the key's name: the field they are about.
+UNNAMED_ERRORS = (
+    ("dataset '", "data.dataset"),
+    ("reward function '", "reward.functions"),
+)
+
+
+def error_field(message: str, specs: list[FieldSpec]) -> str | None:
+    """The form field an error is about (the earliest key the message names), so the page can show the error next
+    to it. A section key is matched as its dotted path (``train.learning_rate``), a top-level key only as the start
+    of a clause (``tools: ...``, ``output_dir '...'``): the bare word ``stage`` is prose in most messages."""
+    import re
+
+    found: list[tuple[int, str]] = []
+    for spec in specs:
+        after = r"(?![\w.])" if "." in spec.path else r"(?=:|\s')"
+        match = re.search(rf"(?<![\w.]){re.escape(spec.path)}{after}", message)
+        if match:
+            found.append((match.start(), spec.path))
+    found += [(message.find(phrase), path) for phrase, path in UNNAMED_ERRORS if phrase in message]
+    return min(found)[1] if found else None

@@ -12,11 +12,19 @@ from rlfactory.errors import UserError
 from rlfactory.webui import preview, runner, workspace
 from rlfactory.webui import schema_form as sf
 
-# Shown first, above the sections, in this order (they still come from the schema).
-ESSENTIALS = ("stage", "model.name_or_path", "model.template", "data.dataset")
+# Shown first, above the sections, in these rows (they still come from the schema): what to train, and on how
+# many GPUs with which strategy (the same `distributed` keys the CLI reads: `rlfactory train` starts torchrun).
+ESSENTIAL_ROWS = (
+    ("stage", "model.name_or_path", "model.template", "data.dataset"),
+    ("distributed.num_processes", "distributed.strategy"),
+)
+ESSENTIALS = tuple(path for row in ESSENTIAL_ROWS for path in row)
 EXAMPLES_DIR = "examples"
 FIELDS_PER_ROW = 3
 YAML_SUFFIXES = (".yaml", ".yml")
+
+
+ESSENTIAL_ERRORS = "essentials"  # the field_errors slot under the essential rows
 
 
 def error_md(exc: Exception) -> str:
@@ -112,6 +120,7 @@ class TrainTab:
         self.specs = sf.all_fields(self.sections)
         self.widgets: dict[str, Any] = {}
         self.stage_groups: dict[str, Any] = {}
+        self.accordions: dict[str, Any] = {}
         self.build()
 
     # ------------------------------------------------------------------ layout
@@ -124,9 +133,11 @@ class TrainTab:
     def build(self) -> None:
         by_path = {s.path: s for s in self.specs}
         gr.Markdown("Fill the fields (every one is a key of the run YAML), preview the data, then **Start**.")
-        with gr.Row():
-            for path in ESSENTIALS:
-                self.widgets[path] = make_widget(by_path[path])
+        for row in ESSENTIAL_ROWS:
+            with gr.Row():
+                for path in row:
+                    self.widgets[path] = make_widget(by_path[path])
+        self.field_errors: dict[str, Any] = {ESSENTIAL_ERRORS: gr.Markdown(visible=False, elem_id="error-essentials")}
         with gr.Accordion("Dataset preview: what the model sees", open=False, elem_id="preview-accordion"):
             with gr.Row():
                 self.prev_btn = gr.Button("◀ previous", size="sm", elem_id="preview-prev")
@@ -145,7 +156,10 @@ class TrainTab:
                 visible=visible,
                 elem_id=f"section-{section.name or 'run'}",
             ) as acc:
+                # a Validate/Start error about one of this section's keys shows here, with the section opened
+                self.field_errors[section.name] = gr.Markdown(visible=False, elem_id=f"error-{section.name or 'run'}")
                 self._rows(rest)
+            self.accordions[section.name] = acc
             if section.stages:
                 self.stage_groups[section.name] = acc
         self._buttons()
@@ -187,13 +201,40 @@ class TrainTab:
         except UserError as exc:
             return error_md(exc), ""
 
-    def on_validate(self, *values: Any) -> tuple[str, str]:
+    @property
+    def check_outputs(self) -> list[Any]:
+        """What Validate and Start answer in: the message, the YAML, each section's error slot and accordion."""
+        return [self.message, self.yaml_view, *self.field_errors.values(), *self.accordions.values()]
+
+    def answer(self, message: str, yaml_text: str, error: UserError | None = None) -> list[Any]:
+        """Values for ``check_outputs``. An error also shows next to the field it names, in its section opened
+        (the top message says where), and the YAML view is emptied: it would show an earlier, valid form."""
+        path = sf.error_field(str(error), self.specs) if error else None
+        slot = None
+        if path is not None:
+            slot = ESSENTIAL_ERRORS if path in ESSENTIALS else next(s.section for s in self.specs if s.path == path)
+        if error is not None:
+            where = f" (shown at `{path}`)" if path else ""
+            message = f"✗ **Error**{where}\n```text\n{error}\n```"
+        errors = [
+            gr.Markdown(f"✗ **{path}**\n```text\n{error}\n```", visible=True)
+            if name == slot
+            else gr.Markdown(visible=False)
+            for name in self.field_errors
+        ]
+        opened = [gr.Accordion(open=True) if name == slot else gr.skip() for name in self.accordions]
+        return [message, yaml_text, *errors, *opened]
+
+    def on_validate(self, *values: Any) -> list[Any]:
         try:
             raw = self.raw(values)
-            config = runner.validate(raw)
+            config, notes = runner.check(raw)
         except UserError as exc:
-            return error_md(exc), gr.skip()
-        return f"✓ valid: stage {config.stage}, output_dir `{config.output_dir}`", sf.raw_to_yaml(raw)
+            return self.answer("", "", exc)
+        checked = "".join(f"\n- {note}" for note in notes)
+        return self.answer(
+            f"✓ valid: stage {config.stage}, output_dir `{config.output_dir}`{checked}", sf.raw_to_yaml(raw)
+        )
 
     def on_save(self, path: str, *values: Any) -> tuple[str, Any]:
         try:
@@ -210,6 +251,10 @@ class TrainTab:
         return message, gr.Dropdown(choices=example_yamls())  # the saved file joins the Load list
 
     def on_load(self, path: str) -> list[Any]:
+        return self.form_from(path, f"✓ loaded `{path}`")
+
+    def form_from(self, path: str, note: str) -> list[Any]:
+        """Form values, stage sections and a message for the YAML at ``path`` (inputs + stage_groups + message)."""
         from rlfactory.config.loader import read_yaml
 
         try:
@@ -220,9 +265,7 @@ class TrainTab:
         except UserError as exc:
             return [gr.skip()] * len(self.specs) + [gr.skip()] * len(self.stage_groups) + [error_md(exc)]
         values, unknown = sf.raw_to_form(self.sections, raw)
-        note = f"✓ loaded `{path}`{converted}" + (
-            f"; keys the form does not know: {', '.join(unknown)}" if unknown else ""
-        )
+        note += converted + (f"; keys the form does not know: {', '.join(unknown)}" if unknown else "")
         return [*values, *self.stage_visibility(str(raw.get("stage", "sft"))), note]
 
     def on_preview_page(self, page: float, delta: int, *values: Any) -> tuple[str, int]:
@@ -237,24 +280,40 @@ class TrainTab:
             return f'<pre class="rf-error">{exc}</pre>', int(page or 0)
         return body, shown
 
-    def on_start(self, *values: Any) -> tuple[str, str, Any, str]:
+    def on_start(self, monitor: Any, *values: Any) -> list[Any]:
+        """Launch; the Monitor tab opens on the new run, drawn in this same answer (``monitor.update``): a timer
+        tick would first redraw the run it showed before."""
         try:
             raw = self.raw(values)
             text = sf.raw_to_yaml(raw)
             config = runner.start(raw, text)
         except UserError as exc:
-            return error_md(exc), gr.skip(), gr.skip(), gr.skip()
+            return [*self.answer("", "", exc), gr.skip(), gr.skip(), *[gr.skip()] * len(monitor.outputs())]
         message = f"▶ started `rlfactory train {config.output_dir}/{runner.YAML_NAME}`"
-        return message, text, gr.Tabs(selected="monitor"), config.output_dir
+        shown = monitor.update(config.output_dir, None)
+        return [*self.answer(message, text), gr.Tabs(selected="monitor"), config.output_dir, *shown]
+
+    def on_reattach(self) -> list[Any]:
+        """On page load: a run going on (started from another tab, or before a reload) fills the form with its
+        config, and its output dir goes to Monitor, whose Stop then stops it."""
+        live = runner.live_runs()
+        if not live:
+            return [gr.skip()] * (len(self.specs) + len(self.stage_groups) + 2)
+        run = str(live[0])
+        note = (
+            f"● a run is going on in `{run}` (started from this page before a reload, or from another tab): "
+            "the form shows its config, the Monitor tab follows it, and Stop stops it"
+        )
+        return [*self.form_from(str(Path(run) / runner.YAML_NAME), note), run]
 
     def on_stop(self, output_dir: str) -> str:
         return stop_message(output_dir or "outputs/run")
 
-    def wire(self, tabs: Any, monitor_run: Any) -> None:
+    def wire(self, tabs: Any, monitor: Any) -> None:
         inputs = self.inputs
         self.widgets["stage"].change(self.stage_visibility, self.widgets["stage"], list(self.stage_groups.values()))
         self.preview_btn.click(self.on_preview_yaml, inputs, [self.message, self.yaml_view])
-        self.validate_btn.click(self.on_validate, inputs, [self.message, self.yaml_view])
+        self.validate_btn.click(self.on_validate, inputs, self.check_outputs)
         self.save_btn.click(self.on_save, [self.save_path, *inputs], [self.message, self.load_path])
         self.load_btn.click(self.on_load, self.load_path, [*inputs, *self.stage_groups.values(), self.message])
         for button, delta in ((self.show_btn, 0), (self.prev_btn, -1), (self.next_btn, 1)):
@@ -263,5 +322,7 @@ class TrainTab:
                 [self.page, *inputs],
                 [self.preview_html, self.page],
             )
-        self.start_btn.click(self.on_start, inputs, [self.message, self.yaml_view, tabs, monitor_run])
+        self.start_btn.click(
+            lambda *v: self.on_start(monitor, *v), inputs, [*self.check_outputs, tabs, monitor.run, *monitor.outputs()]
+        )
         self.stop_btn.click(self.on_stop, self.widgets["output_dir"], self.message)
