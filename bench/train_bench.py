@@ -527,6 +527,8 @@ def main() -> None:
             "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(32)))),
         }
         env["CUDA_VISIBLE_DEVICES"] = ",".join(env["CUDA_VISIBLE_DEVICES"].split(",")[:gpus])
+        # as `rlfactory train distributed.num_processes=N` starts its processes (torchrun alone would set 1 thread)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // gpus)))
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         shutil.rmtree(out, ignore_errors=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
