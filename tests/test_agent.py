@@ -251,7 +251,10 @@ def test_an_environment_step_that_hangs_times_out_and_a_plain_one_is_flagged(tok
     env_file.write_text(
         "import asyncio\nfrom rlfactory.envs.base import ToolEnv\n"
         "class Waits(ToolEnv):\n    async def step(self, message, calls):\n        await asyncio.sleep(3600)\n"
-        "class Spins(ToolEnv):\n    def step(self, message, calls):\n        while True:\n            pass\n"
+        # spins 3 s, far past the 0.5 s timeout, then ends: a thread left spinning would hold the GIL for the rest of
+        # the test process
+        "import time\nclass Spins(ToolEnv):\n    def step(self, message, calls):\n"
+        "        end = time.monotonic() + 3\n        while time.monotonic() < end:\n            pass\n"
     )
     for name, hung in (("Waits", False), ("Spins", True)):
         backend = ScriptedBackend(tokenizer, {"Q": THREE_TURNS})

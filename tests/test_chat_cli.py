@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run_cli
+from tests.conftest import ROOT, run_cli
 from rlfactory.tasks.arith_tools import CALCULATOR_SCHEMA
 
 MODEL = ROOT / "data" / "models" / "tiny-arith-tools"

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -45,7 +46,12 @@ def make_calls(name: str) -> list[list[str]]:
 
 
 def dry_run(*argv: str) -> list[str]:
-    result = subprocess.run(["make", "-n", "-B", *argv], cwd=ROOT, capture_output=True, text=True, check=True)
+    # a clean make: under `make test` the outer make's MAKEFLAGS/MAKELEVEL would add "Entering directory" lines and
+    # pass its own variables down
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MAKE", "MFLAGS"))}
+    result = subprocess.run(
+        ["make", "-n", "-B", *argv], cwd=ROOT, capture_output=True, text=True, check=True, env=env
+    )
     return [line for line in result.stdout.splitlines() if not line.startswith("#")]
 
 

@@ -203,11 +203,11 @@ def test_compile_layers_finds_the_decoder_stack_under_peft():
     assert compile_layers(apply_lora(model, LoraConfig(), False)) == layers
 
 
-def test_compiled_layers_stay_whole_graphs_inside_ddp(monkeypatch):
-    """Under DDP, dynamo splits a graph compiled inside DDP's forward at each gradient bucket (25 MB) -- cutting our
-    per-layer graphs into pieces that fuse worse, for no overlap a layer-by-layer backward lacks. With
-    ``train.torch_compile`` on several processes the split is switched off: here on a 1-process gloo group, 1 MB
-    buckets and 4 MB layers, dynamo's DDP optimizer splits each layer's graph before and never after."""
+def ddp_split_graphs(whole: bool) -> int:
+    """How many graphs dynamo's DDP optimizer splits when two compiled residual-MLP layers (4 MB each, a decoder
+    layer's shape in small) run inside DDP with 1 MB buckets, on a 1-process gloo group; ``whole``: after
+    ``keep_layer_graphs_whole``. Run by the test below in a fresh interpreter (dynamo's and torch's logging state are
+    process-wide)."""
     import torch._dynamo
     import torch.distributed as dist
     from torch._dynamo.backends.distributed import DDPOptimizer
@@ -215,7 +215,7 @@ def test_compiled_layers_stay_whole_graphs_inside_ddp(monkeypatch):
 
     from rlfactory.engine.shared import keep_layer_graphs_whole
 
-    class Block(torch.nn.Module):  # a residual MLP, a decoder layer's shape in small
+    class Block(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.up, self.down = torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 512)
@@ -235,23 +235,38 @@ def test_compiled_layers_stay_whole_graphs_inside_ddp(monkeypatch):
 
     splits = []
     split = DDPOptimizer.compile_fn
-    monkeypatch.setattr(DDPOptimizer, "compile_fn", lambda self, *a, **k: splits.append(1) or split(self, *a, **k))
-    monkeypatch.setattr(torch._dynamo.config, "optimize_ddp", True)  # torch's default; restored after the test
+    DDPOptimizer.compile_fn = lambda self, *a, **k: splits.append(1) or split(self, *a, **k)
+    if whole:
+        keep_layer_graphs_whole()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        for whole in (False, True):
-            torch._dynamo.reset()
-            if whole:
-                keep_layer_graphs_whole()
-            model = Stack()
-            for layer in model.layers:
-                layer.compile(backend="eager")  # the backend does not matter to the split; eager is quick on a CPU
-            DistributedDataParallel(model, bucket_cap_mb=1)(torch.randn(2, 512)).backward()
-            assert (len(splits) > 0) is not whole, f"whole={whole}: {len(splits)} split graphs"
-            splits.clear()
+        model = Stack()
+        for layer in model.layers:
+            layer.compile(backend="eager")  # the backend does not matter to the split; eager is quick on a CPU
+        DistributedDataParallel(model, bucket_cap_mb=1)(torch.randn(2, 512)).backward()
     finally:
         dist.destroy_process_group()
-        torch._dynamo.reset()
+    return len(splits)
+
+
+def test_compiled_layers_stay_whole_graphs_inside_ddp():
+    """Under DDP, dynamo splits a graph compiled inside DDP's forward at each gradient bucket (25 MB) -- cutting our
+    per-layer graphs into pieces that fuse worse, for no overlap a layer-by-layer backward lacks. With
+    ``train.torch_compile`` on several processes the split is switched off: dynamo splits the layers' graphs
+    without ``keep_layer_graphs_whole`` and never with it."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    counts = []
+    for whole in (False, True):
+        code = f"from tests.test_engine import ddp_split_graphs; print(ddp_split_graphs({whole}))"
+        env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+        result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr[-2000:]
+        counts.append(int(result.stdout.split()[-1]))
+    assert counts[0] > 0 and counts[1] == 0, counts
 
 
 def test_eval_metrics_are_means_over_the_whole_eval_set_not_over_batches():

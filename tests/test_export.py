@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, TINY_MODEL, run_cli
+from tests.conftest import ROOT, TINY_MODEL, run_cli
 
 PROMPT = [{"role": "user", "content": "Tom has 12 apples and buys 7 more. How many apples does he have?"}]
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, TINY_MODEL, run_cli
+from tests.conftest import ROOT, TINY_MODEL, run_cli
 from rlfactory.algos.common import _chunk_rows
 from rlfactory.config.loader import load_config
 from rlfactory.engine import plan_terms as t
