@@ -37,8 +37,9 @@ def fired(alerts: list[Alert]) -> list[tuple[int, str, str]]:
 
 # --------------------------------------------------------------------------- one rule at a time
 def test_reward_hacking_fires_when_train_reward_rises_and_val_score_does_not():
-    """val 0.50 at step 0; train flat at 0.3 and val 0.50 at step 4 (nothing); train rising 0.3 -> 0.7 while val
-    falls to 0.45 at step 8 (fires); val 0.40 at step 12 (already fired: nothing more)."""
+    """val 0.50 at steps 0 and 4, train flat at 0.3 over steps 1-4 (two validations: nothing to compare yet); train
+    0.3, 0.4, 0.6, 0.7 over steps 5-8 (mean 0.5: +0.2) while val falls to 0.45 at step 8 (fires); val 0.40 at step
+    12 (already fired: nothing more)."""
     records = [{"step": 0, "val/score": 0.5}]
     records += stream("score/mean", [0.3, 0.3, 0.3, 0.3]) + [{"step": 4, "val/score": 0.5}]
     records += stream("score/mean", [0.3, 0.4, 0.6, 0.7], first_step=5) + [{"step": 8, "val/score": 0.45}]
@@ -46,20 +47,23 @@ def test_reward_hacking_fires_when_train_reward_rises_and_val_score_does_not():
     alerts = feed(records, reward_hacking={})
     assert fired(alerts) == [(8, "reward_hacking", "val/score")]
     assert alerts[0].value == 0.45
-    assert "rose 0.300 -> 0.700 (score/mean, steps 5-8) while val/score went 0.500 -> 0.450" in alerts[0].message
+    assert (
+        "rose 0.300 -> 0.500 (mean score/mean of steps 1-4, then 5-8) while val/score went 0.500 -> 0.450"
+        in alerts[0].message
+    )
 
 
 def test_reward_hacking_stays_quiet_while_the_held_out_score_follows():
+    """Interval means 0.6 -> 1.075 while val goes 0.50 -> 0.55: a gain, no alert (unless max_val_gain allows 0.1);
+    one noisy step (0.3 -> 0.9) between two validations alone is never compared."""
     records = [{"step": 0, "val/score": 0.5}, *stream("score/mean", [0.3, 0.5, 0.7, 0.9])]
-    records.append({"step": 4, "val/score": 0.6})
+    records.append({"step": 4, "val/score": 0.5})
     assert feed(records, reward_hacking={}) == []
-    # then val 0.55 at step 8 while train rises on: window 2 compares steps 4 and 8 (a fall: fires), window 3
-    # steps 0 and 8 (a gain of 0.05: quiet unless max_val_gain allows it)
     records += [*stream("score/mean", [0.9, 1.0, 1.1, 1.3], first_step=5), {"step": 8, "val/score": 0.55}]
-    assert fired(feed(records, reward_hacking={})) == [(8, "reward_hacking", "val/score")]
-    assert feed(records, reward_hacking={"window": 3}) == []
-    loose = feed(records, reward_hacking={"window": 3, "max_val_gain": 0.1})
+    assert feed(records, reward_hacking={}) == []
+    loose = feed(records, reward_hacking={"max_val_gain": 0.1})
     assert fired(loose) == [(8, "reward_hacking", "val/score")]
+    assert feed(records, reward_hacking={"max_val_gain": 0.1, "min_train_rise": 0.5}) == []  # a rise of 0.475
 
 
 def test_entropy_collapse_by_factor_and_by_floor():
@@ -268,9 +272,9 @@ def pays_length(prompt, completion, answer, example):
 
 @pytest.mark.slow
 def test_a_reward_that_pays_length_is_caught_hacking_and_running_to_the_cap(tmp_path: Path):
-    """Sampled at temperature 1.5, GRPO on a length reward learns to write longer: the training reward rises
-    (1.14 -> 1.32 by step 4), held-out accuracy falls (0.31 -> 0.19 at step 4, 0.0 at step 8) and the responses
-    run to the 24-token cap (share cut 0.09 -> 0.44 at step 5). About 2 minutes on 2 busy cores."""
+    """Sampled at temperature 1.5, GRPO on a length reward learns to write longer: the training reward rises (mean
+    1.22 over steps 1-4, 1.71 over steps 5-8), held-out accuracy falls (0.31 -> 0.19 at step 4 -> 0.125 at step 8)
+    and the responses run to the 24-token cap (share cut 0.09 -> 0.44 at step 5). About 1-2 minutes on 2 cores."""
     (tmp_path / "rewards.py").write_text(PAYS_LENGTH)
     cfg = grpo_run(
         tmp_path,
@@ -280,14 +284,15 @@ def test_a_reward_that_pays_length_is_caught_hacking_and_running_to_the_cap(tmp_
         evaluation={"dataset": "arith_prompts_test", "max_samples": 16, "max_new_tokens": 24},
     )
     log, stderr = train(tmp_path, cfg)
-    assert alerts_of(log) == [(4, "reward_hacking", "val/score"), (5, "truncation", "response_length/clip_ratio")]
-    hacking = next(r["health"] for r in log if "health" in r)
-    assert hacking["action"] == "warn" and hacking["value"] < 0.3125  # val/score fell from its step-0 value
-    assert "while val/score went 0.312 -> " in hacking["message"]
-    assert f"health: reward_hacking at step 4: {hacking['message']}; likely fixes: " in stderr
-    # each alert follows the record that fired it
-    index = next(i for i, r in enumerate(log) if "health" in r)
-    assert log[index - 1] == {**log[index - 1], "step": 4} and "val/score" in log[index - 1]
+    assert alerts_of(log) == [(5, "truncation", "response_length/clip_ratio"), (8, "reward_hacking", "val/score")]
+    hacking = next(r["health"] for r in log if "health" in r and r["health"]["rule"] == "reward_hacking")
+    val = {r["step"]: r["val/score"] for r in log if "val/score" in r}
+    assert hacking["action"] == "warn" and hacking["value"] == val[8] <= val[4] < val[0]
+    assert f"(mean score/mean of steps 1-4, then 5-8) while val/score went {val[4]:.3f} -> " in hacking["message"]
+    assert f"health: reward_hacking at step 8: {hacking['message']}; likely fixes: " in stderr
+    # each alert follows the record that fired it: the step-5 metrics, the step-8 validation
+    before = [log[i - 1] for i, r in enumerate(log) if "health" in r]
+    assert [r["step"] for r in before] == [5, 8] and "score/mean" in before[0] and "val/score" in before[1]
 
 
 CONSTANT = '''
@@ -310,9 +315,9 @@ def test_a_constant_reward_stops_the_run_with_a_checkpoint(tmp_path: Path):
         health={"zero_advantage": {"action": "stop"}, "constant_component": {"window": 3}},
     )
     log, stderr = train(tmp_path, cfg, exit_code=STOP_EXIT_CODE)
-    assert alerts_of(log) == [
-        (3, "zero_advantage", "rollout/zero_adv_groups"),
+    assert alerts_of(log) == [  # in the registry's (alphabetical) order
         (3, "constant_component", "reward/always_one/mean"),
+        (3, "zero_advantage", "rollout/zero_adv_groups"),
     ]
     assert [r["rollout/zero_adv_groups"] for r in log if "score/mean" in r] == [1.0, 1.0, 1.0]
     out = Path(cfg["output_dir"])
@@ -324,8 +329,8 @@ def test_a_constant_reward_stops_the_run_with_a_checkpoint(tmp_path: Path):
     log, _ = train(tmp_path, cfg)
     assert [r["step"] for r in log if "score/mean" in r] == [1, 2, 3, 4, 5]
     assert alerts_of(log) == [  # the alerts before the checkpoint, kept; none again after it
-        (3, "zero_advantage", "rollout/zero_adv_groups"),
         (3, "constant_component", "reward/always_one/mean"),
+        (3, "zero_advantage", "rollout/zero_adv_groups"),
     ]
 
 
@@ -343,18 +348,26 @@ def test_a_huge_learning_rate_blows_up_both_kls(tmp_path: Path):
 
 @pytest.mark.slow
 def test_a_healthy_run_fires_nothing(tmp_path: Path):
-    """The quickstart's shape at a test's size (answer and format rewards, a KL term, two mini-batches, validation
-    every 3 steps): no rule fires."""
+    """The quickstart (examples/quickstart/grpo.yaml: the calculator tool, its five reward parts, a KL term, two
+    mini-batches) at a test's size, 4 prompts x 8 samples for 6 steps: held-out accuracy rises and no rule fires.
+    (The plain task without tools is not healthy on this model: its answers are nearly fixed per prompt, and in 6
+    steps at 4 samples over 80% of the groups scored alike at step 6: zero_advantage fired, rightly.)"""
+    from rlfactory.config.loader import read_yaml
+
+    quickstart = read_yaml(Path(__file__).resolve().parents[1] / "examples" / "quickstart" / "grpo.yaml")
     cfg = grpo_run(
         tmp_path,
-        reward={"functions": {"answer_match": 1.0, "format_regex": 0.5}},
-        algorithm={"kl_loss_coef": 0.05, "num_mini_batches": 2},
-        train={"per_device_batch_size": 32, "learning_rate": 1e-4, "eval_steps": 3},
-        evaluation={"dataset": "arith_prompts_test", "max_samples": 16, "max_new_tokens": 24},
+        **{k: quickstart[k] for k in ("data", "agent", "reward", "algorithm")},
+        rollout={**quickstart["rollout"], "prompts_per_step": 4},
+        train={**quickstart["train"], "max_steps": 6, "eval_steps": 3, "save_steps": None},
+        evaluation={**quickstart["evaluation"], "max_samples": 16},
     )
+    cfg["tools"] = quickstart["tools"]
+    cfg["data"]["dataset_dir"] = str(DATA_DIR)
     log, stderr = train(tmp_path, cfg)
     assert alerts_of(log) == [] and "health:" not in stderr
-    assert [r["step"] for r in log if "val/score" in r] == [0, 3, 6]
+    scores = [r["val/score"] for r in log if "val/score" in r]
+    assert len(scores) == 3 and scores[-1] > scores[0], scores
     assert all("rollout/zero_adv_groups" in r for r in log if "score/mean" in r)
 
 

@@ -30,19 +30,17 @@ class Rule(Section):
 
 class RewardHackingRule(Rule):
     """reward_hacking: the training reward rises while the held-out score (val/score) falls or stays flat. Checked at
-    each validation (needs evaluation.dataset and train.eval_steps for more than the before/after pair)."""
+    each validation from the third on (needs evaluation.dataset and train.eval_steps): the two latest intervals
+    between validations are compared."""
 
-    window: int = Field(
-        2, ge=2, description="Validations compared: the first and the last of the latest `window` val/score values."
-    )
     min_train_rise: float = Field(
         0.1,
         gt=0.0,
-        description="Rise of the training reward (score/mean, in reward units) between those validations that "
-        "counts as rising: the mean of the last quarter of its logged values minus the mean of the first quarter.",
+        description="The mean training reward (score/mean, in reward units) over the latest interval between "
+        "validations is at least this much above its mean over the interval before: rising.",
     )
     max_val_gain: float = Field(
-        0.0, description="val/score gained at most this much over the same validations: flat or falling."
+        0.0, description="val/score gained at most this much between the two latest validations: flat or falling."
     )
 
 

@@ -103,28 +103,31 @@ def _mean(values: list[float]) -> float:
     "(algorithm.kl_loss_coef); keep the checkpoint with the best val/score",
 )
 def reward_hacking(history: History, rule: Any) -> list[Finding]:
-    """At a validation: the training reward (score/mean) rose by ``min_train_rise`` between the first and the last
-    of the latest ``window`` validations (mean of the last quarter of its logged values minus the first quarter's)
-    while val/score gained at most ``max_val_gain``."""
+    """At a validation: the mean training reward (score/mean) over the interval since the previous validation is
+    ``min_train_rise`` above its mean over the interval before, while val/score gained at most ``max_val_gain``
+    between those two validations. Interval means, not single steps: a step's reward is noisy (+-0.15 at 32 samples
+    on the bundled task), and so is a small held-out set."""
     if not history.fresh("val/score"):
         return []
     vals = history.series["val/score"]
-    if len(vals) < rule.window:
+    if len(vals) < 3:
         return []
-    (first_step, val_before), (last_step, val_now) = vals[-rule.window], vals[-1]
-    train = [v for s, v in history.series.get("score/mean", []) if first_step < s <= last_step]
-    if len(train) < 2:
+    (start, _), (middle, val_before), (end, val_now) = vals[-3:]
+    train = history.series.get("score/mean", [])
+    earlier = [v for s, v in train if start < s <= middle]
+    later = [v for s, v in train if middle < s <= end]
+    if not earlier or not later:
         return []
-    k = max(1, len(train) // 4)
-    before, now = _mean(train[:k]), _mean(train[-k:])
+    before, now = _mean(earlier), _mean(later)
     if now - before < rule.min_train_rise or val_now - val_before > rule.max_val_gain:
         return []
     return [
         Finding(
             "val/score",
             val_now,
-            f"the training reward rose {before:.3f} -> {now:.3f} (score/mean, steps {first_step + 1}-{last_step}) "
-            f"while val/score went {val_before:.3f} -> {val_now:.3f}: the policy is learning the reward, not the task",
+            f"the training reward rose {before:.3f} -> {now:.3f} (mean score/mean of steps {start + 1}-{middle}, then "
+            f"{middle + 1}-{end}) while val/score went {val_before:.3f} -> {val_now:.3f}: the policy is learning the "
+            "reward, not the task",
         )
     ]
 
