@@ -133,10 +133,16 @@ def test_skipping_non_finite_steps_logs_them_then_stops(tmp_path: Path):
     assert result.returncode == 1, result.stderr[-3000:]
     assert "update skipped (1 in a row, train.skip_nonfinite_steps 2)" in result.stderr
     assert "stopped: training diverged at step 4" in result.stderr  # steps 2 and 3 skipped, the third in a row stops
-    log = read_log(tmp_path / "out")
+    records = read_log(tmp_path / "out")
+    log = [r for r in records if "health" not in r]
     assert [r["step"] for r in log] == [1, 2, 3]
     assert log[1]["skipped_steps"] == log[2]["skipped_steps"] == 1.0
     assert log[1]["loss"] != log[1]["loss"]  # NaN is logged, not dropped
+    # health alerts: the first skipped update (rule non_finite, once), and the guard's stop
+    alerts = [(r["step"], r["health"]["rule"], r["health"]["action"], r["health"]["metric"]) for r in records
+              if "health" in r]  # fmt: skip
+    assert alerts == [(2, "non_finite", "warn", "skipped_steps"), (4, "non_finite", "stop", "loss")]
+    assert "health: non_finite at step 2: 1 update(s) skipped" in result.stderr
 
 
 def test_an_infinite_learning_rate_never_saves_a_nan_model(tmp_path: Path):
@@ -157,6 +163,8 @@ def test_a_diverging_grpo_run_stops_without_a_model(tmp_path: Path):
     assert result.returncode == 1, result.stderr[-3000:]
     assert "stopped: training diverged at step" in result.stderr and "Traceback" not in result.stderr
     assert not model_files(tmp_path / "out")
+    stop = read_log(tmp_path / "out")[-1]["health"]  # the stop is an alert in the log too (the WebUI's alerts)
+    assert stop["rule"] == "non_finite" and stop["action"] == "stop" and "training diverged" in stop["message"]
 
 
 # ------------------------------------------------------------------------------------------- crash leftovers

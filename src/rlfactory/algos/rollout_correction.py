@@ -20,6 +20,8 @@ the weight does not explode with length). truncate: min(r, threshold) (TIS); mas
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rlfactory.algos.common import masked_mean
@@ -91,9 +93,13 @@ def seq_mask(old_log_prob, sampler_log_prob, response_mask, *, threshold=2.0):
     return _finish(ratio, torch.where(ratio <= threshold, ratio, torch.zeros_like(ratio)), mask)
 
 
-def mismatch_metrics(trainer_log_prob: torch.Tensor, sampler_log_prob: torch.Tensor, mask: torch.Tensor) -> dict:
-    """rollout/logprob_diff_mean, rollout/logprob_diff_max (|trainer - sampler| over response tokens) and
-    rollout/prob_pearson (Pearson correlation of the two token probabilities; 1 = the same policy).
+def mismatch_metrics(
+    trainer_log_prob: torch.Tensor, sampler_log_prob: torch.Tensor, mask: torch.Tensor, threshold: float | None = None
+) -> dict:
+    """rollout/logprob_diff_mean, rollout/logprob_diff_max (|trainer - sampler| over response tokens),
+    rollout/prob_pearson (Pearson correlation of the two token probabilities; 1 = the same policy) and, given the IS
+    ``threshold``, rollout/ratio_over_cap (the share of tokens whose ratio trainer / sampler is above it: the tokens
+    a truncating correction cuts and a masking one drops).
 
     Shapes (B, T) -> floats. With fewer than two tokens or no variance the correlation is reported as 1.
     """
@@ -106,8 +112,11 @@ def mismatch_metrics(trainer_log_prob: torch.Tensor, sampler_log_prob: torch.Ten
     p, q = p - p.mean(), q - q.mean()
     denom = (p.norm() * q.norm()).item()
     pearson = float((p * q).sum() / denom) if denom > 1e-12 else 1.0
-    return {
+    metrics = {
         "rollout/logprob_diff_mean": float(diff.mean()),
         "rollout/logprob_diff_max": float(diff.max()),
         "rollout/prob_pearson": pearson,
     }
+    if threshold is not None:
+        metrics["rollout/ratio_over_cap"] = float((trainer - sampler > math.log(threshold)).double().mean())
+    return metrics

@@ -35,16 +35,26 @@ def _table(cls: type[BaseModel], prefix: str) -> list[str]:
     return rows
 
 
+def _is_section(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _has_keys(cls: type[BaseModel]) -> bool:
+    return any(not _is_section(f.annotation) for f in cls.model_fields.values())
+
+
 def _nested_sections(cls: type[BaseModel], prefix: str) -> list[str]:
-    """Optional sub-sections of a section (``model.quantization``): a table of their own after it."""
+    """Sub-sections of a section, each a table of its own after it: optional ones (``model.quantization``, under
+    their class's first doc line) and a section of sections (``health``: one per rule, under the field's text)."""
     out = []
     for name, field in cls.model_fields.items():
-        inner = [
-            a for a in getattr(field.annotation, "__args__", ()) if isinstance(a, type) and issubclass(a, BaseModel)
-        ]
-        for sub in inner:
-            out += [f"### `{prefix}{name}`", "", (sub.__doc__ or "").strip().split("\n")[0], ""]
-            out += [*_table(sub, f"{prefix}{name}."), ""]
+        if _is_section(field.annotation):
+            subs, doc = [field.annotation], field.description or ""
+        else:
+            subs, doc = [a for a in getattr(field.annotation, "__args__", ()) if _is_section(a)], None
+        for sub in subs:
+            text = doc if doc is not None else (sub.__doc__ or "").strip().split("\n")[0]
+            out += [f"### `{prefix}{name}`", "", text, "", *_table(sub, f"{prefix}{name}."), ""]
     return out
 
 
@@ -58,7 +68,7 @@ def markdown_reference() -> str:
         annotation = field.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             out += [f"## `{name}`", "", (annotation.__doc__ or "").strip().split("\n")[0], ""]
-            out += [*_table(annotation, f"{name}."), ""]
+            out += [*_table(annotation, f"{name}."), ""] if _has_keys(annotation) else []
             out += _nested_sections(annotation, f"{name}.")
     for name, cls in schema.SECTION_CLASSES.items():
         stages = [s for s, secs in schema.STAGE_SECTIONS.items() if name in secs]

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from rlfactory.config.base import Section, _as_list, _comma_list
+from rlfactory.config.health_schema import HealthConfig
 from rlfactory.config.online_schema import (
     AgentConfig,
     AlgorithmConfig,
@@ -505,6 +506,7 @@ class RunConfig(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
     rm: RMConfig | None = Field(None, description="Stage rm only.")
     dpo: DPOConfig | None = Field(None, description="Stage dpo only.")
     kto: KTOConfig | None = Field(None, description="Stage kto only.")

@@ -25,6 +25,7 @@ import torch
 
 from rlfactory.config.schema import RunConfig
 from rlfactory.engine import run_dir
+from rlfactory.engine.health import HealthMonitor, stopped
 from rlfactory.engine.shared import (
     NonFiniteGuard,
     StopSignals,
@@ -178,6 +179,12 @@ class _Setup:
     eval_shard: list[tuple[list[Any], float]] | None
     steps_per_epoch: int
     total_steps: int
+    health: HealthMonitor  # the health rules that apply offline (non_finite), fed every logged record
+
+
+def _log(s: _Setup, out: Path, record: dict[str, Any]) -> None:
+    log_record(s.accelerator, out, record)
+    s.health.observe(record)
 
 
 def _setup(cfg: RunConfig, model: Any, parts: StageParts) -> _Setup:
@@ -203,7 +210,8 @@ def _setup(cfg: RunConfig, model: Any, parts: StageParts) -> _Setup:
     )
     accelerator.register_save_state_pre_hook(keep_trainable_weights)
     init_trackers(accelerator, cfg)
-    return _Setup(accelerator, model, optimizer, scheduler, loader, shard, steps_per_epoch, total_steps)
+    health = HealthMonitor(cfg.health, Path(cfg.output_dir), accelerator.is_main_process)
+    return _Setup(accelerator, model, optimizer, scheduler, loader, shard, steps_per_epoch, total_steps, health)
 
 
 def _train_window(
@@ -249,6 +257,7 @@ def train(cfg: RunConfig, model: Any, tokenizer: Any, parts: StageParts, resume_
         state = load_checkpoint(acc, resume_from, out)
         step, epoch = state["global_step"], state["epoch"]
         _check_global_batch(state, global_batch, resume_from)
+        s.health.replay(run_dir.read_log(out))
         # per-process micro-batches already consumed this epoch: step i used examples [i*G, (i+1)*G) of the epoch's
         # order whatever the process count, so the position is exact for any count with the same global batch G
         skip_batches = (step - epoch * s.steps_per_epoch) * accum
@@ -264,14 +273,14 @@ def train(cfg: RunConfig, model: Any, tokenizer: Any, parts: StageParts, resume_
     bar = tqdm(total=s.total_steps, initial=step, disable=not show, desc=cfg.stage)
     clock, guard = _Clock(step), NonFiniteGuard(cfg.train, acc, out)
     if s.eval_shard is not None and resume_from is None:  # step-0 eval: the baseline the curve starts from
-        log_record(acc, out, {"step": 0, **evaluate(acc, s.model, s.eval_shard, parts)})
+        _log(s, out, {"step": 0, **evaluate(acc, s.model, s.eval_shard, parts)})
     s.model.train()
     with StopSignals() as stop:
         step, last_metrics, eval_metrics = _loop(s, cfg, parts, step, epoch, skip_batches, stop, guard, bar, clock)
     bar.close()
     if s.eval_shard is not None and not (cfg.train.eval_steps and step % cfg.train.eval_steps == 0):
         eval_metrics = evaluate(acc, s.model, s.eval_shard, parts)
-        log_record(acc, out, {"step": step, **eval_metrics})
+        _log(s, out, {"step": step, **eval_metrics})
     result = _finish(acc, cfg, s.model, tokenizer, out, step, last_metrics, eval_metrics)
     result.before = before
     return result
@@ -312,20 +321,22 @@ def _loop(
                     "lr": s.scheduler.get_last_lr()[0],
                     **clock.lap(step, s.total_steps, acc.num_processes),
                 }
-                log_record(acc, out, record)
+                _log(s, out, record)
                 bar.set_postfix(loss=f"{last_metrics.get('loss', float('nan')):.4f}")
             if s.eval_shard is not None and cfg.train.eval_steps and step % cfg.train.eval_steps == 0:
                 eval_metrics = evaluate(acc, s.model, s.eval_shard, parts)
-                log_record(acc, out, {"step": step, **eval_metrics})
+                _log(s, out, {"step": step, **eval_metrics})
             state = {"epoch": epoch, "global_batch": global_batch, "num_processes": acc.num_processes}
             if cfg.train.save_steps and step % cfg.train.save_steps == 0 and step < s.total_steps:
                 save_checkpoint(acc, out, step, state, cfg.train.save_total_limit)
                 saved = step
             signum = stop.requested(acc)
-            if signum and step < s.total_steps:
+            if (signum or s.health.stop is not None) and step < s.total_steps:
                 path = out / f"{run_dir.CHECKPOINT_PREFIX}{step}"
                 if saved != step:
                     path = save_checkpoint(acc, out, step, state, cfg.train.save_total_limit)
+                if s.health.stop is not None:  # a health rule with action stop fired
+                    raise stopped(s.health.stop, path)
                 raise StopSignals.stopped(signum, step, path)
         if step - epoch * s.steps_per_epoch >= s.steps_per_epoch:
             epoch += 1

@@ -401,6 +401,7 @@ class NonFiniteGuard:
 
     def __init__(self, train: TrainConfig, accelerator: Accelerator, out: Path):
         self.allowed, self.lr, self.out = train.skip_nonfinite_steps, train.learning_rate, out
+        self.main = accelerator.is_main_process
         # under fp16 the grad scaler skips overflowing steps itself (an inf gradient norm is expected there)
         self.scaled = getattr(accelerator, "scaler", None) is not None
         self.in_a_row = 0
@@ -421,10 +422,15 @@ class NonFiniteGuard:
         self.skipped += 1
         found = f"loss {values_host[0]}" + (f", gradient norm {values_host[1]}" if len(values_host) > 1 else "")
         if self.in_a_row > self.allowed:
+            from rlfactory.engine import health
+
             kept = run_dir.list_checkpoints(self.out)
+            message = f"training diverged at step {step}: {found} (not finite); stopped without saving the model"
+            bad = 0 if not math.isfinite(values_host[0]) else 1  # the loss, else the gradient norm
+            alert = health.divergence_alert(step, ("loss", "grad_norm")[bad], values_host[bad], message)
+            health.report(alert, self.out, self.main)  # the stop is an alert too (trainer_log.jsonl, the WebUI)
             raise RunStopped(
-                f"training diverged at step {step}: {found} (not finite); stopped without saving the model. "
-                f"Lower train.learning_rate (now {self.lr:g}), keep train.max_grad_norm set, or set "
+                f"{message}. Lower train.learning_rate (now {self.lr:g}), keep train.max_grad_norm set, or set "
                 "train.skip_nonfinite_steps to skip such updates"
                 + (f"; the last checkpoint is {kept[-1]}" if kept else "")
             )

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlfactory.config.schema import RunConfig
-from rlfactory.engine import run_dir, shared
+from rlfactory.engine import health, run_dir, shared
 from rlfactory.engine.offline import TrainResult
 from rlfactory.engine.online.phases import LoopState, Run, step, trace_rows
 from rlfactory.engine.online.ranks import Ranks
@@ -164,6 +164,7 @@ def build_run(
         prompts=prompts,
         eval_prompts=eval_prompts,
         total_steps=total,
+        health=health.HealthMonitor(cfg.health, Path(cfg.output_dir), accelerator.is_main_process),
     )
 
 
@@ -218,9 +219,11 @@ def write_trace(out: Path, name: str, rows: list[dict[str, Any]]) -> Path:
 
 
 def _log(run: Run, record: dict[str, Any]) -> None:
-    shared.log_record(
-        run.accelerator, run.out, {k: round(v, 6) if isinstance(v, float) else v for k, v in record.items()}
-    )
+    """One trainer_log.jsonl line, then the health rules on it (their alerts follow it in the log)."""
+    record = {k: round(v, 6) if isinstance(v, float) else v for k, v in record.items()}
+    shared.log_record(run.accelerator, run.out, record)
+    if run.health is not None:
+        run.health.observe(record)
 
 
 def _mean(window: list[dict[str, float]]) -> dict[str, float]:
@@ -254,7 +257,10 @@ def _resume(run: Run, resume_from: Path) -> dict[str, float] | None:
     if run.state.kl_coef is not None:
         run.kl_ctrl.value = run.state.kl_coef
     run.accelerator.print(f"resumed from {resume_from} at step {run.state.step}")
-    return next((r for r in read_log(run.out) if r["step"] == 0 and "val/score" in r), None)
+    records = read_log(run.out)
+    if run.health is not None:
+        run.health.replay(records)
+    return next((r for r in records if r["step"] == 0 and "val/score" in r), None)
 
 
 def train(
@@ -340,11 +346,15 @@ def _loop(run: Run, bar: Any, stop: shared.StopSignals, validates: bool) -> dict
         broken_tool = tool_streak.update({"tools": failed}, executed) is not None
         hung_env = result.metrics.get("env/hung_steps", 0.0) > 0  # reduced over ranks: every rank stops alike
         signum = stop.requested(run.accelerator)
-        if failing is None and not broken_tool and not hung_env and not signum or done == run.total_steps:
+        unhealthy = run.health.stop if run.health is not None else None  # a rule with action stop fired
+        stopping = failing is not None or broken_tool or hung_env or signum or unhealthy is not None
+        if not stopping or done == run.total_steps:
             continue
         if done % cfg.logging.logging_steps:  # the step's metrics (and failure counts) reach the log first
             _log(run, {"step": done, "epoch": run.state.epoch, **_mean(window)})
         saved = saved or _checkpoint(run, done)
+        if unhealthy is not None:
+            raise health.stopped(unhealthy, saved)
         if hung_env:
             raise RunStopped(
                 f"an environment step (agent.env: {cfg.agent.env}) ran past agent.env_step_timeout_s "

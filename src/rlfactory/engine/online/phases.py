@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rlfactory.config.schema import RunConfig
+from rlfactory.engine.health import HealthMonitor
 from rlfactory.engine.online import update as ops
 from rlfactory.engine.online.ranks import Ranks
 from rlfactory.engine.shared import peak_memory_gb
@@ -107,6 +108,7 @@ class Run:
     total_steps: int
     state: LoopState = field(default_factory=LoopState)
     timer: PhaseTimer = field(default_factory=PhaseTimer)
+    health: HealthMonitor | None = None  # the health rules, fed every logged record (``engine/health.py``)
 
 
 @dataclass
@@ -349,9 +351,11 @@ def update_models(run: Run, batch: RolloutBatch, step: int) -> tuple[dict[str, f
 
 
 # --------------------------------------------------------------------------- 9: metrics
-def mismatch(ranks: Ranks, batch: RolloutBatch, trainer_logprobs: torch.Tensor | None) -> dict[str, float]:
+def mismatch(
+    ranks: Ranks, batch: RolloutBatch, trainer_logprobs: torch.Tensor | None, is_threshold: float
+) -> dict[str, float]:
     """Sampler vs trainer log-probs of the same tokens (only when a separate sampler produced the batch), over the
-    tokens of every rank."""
+    tokens of every rank; with the share of tokens whose ratio is above the IS cap (``rollout.is_threshold``)."""
     from rlfactory.algos.rollout_correction import mismatch_metrics
 
     trainer = batch.old_logprobs if batch.old_logprobs is not None else trainer_logprobs
@@ -362,6 +366,7 @@ def mismatch(ranks: Ranks, batch: RolloutBatch, trainer_logprobs: torch.Tensor |
         ranks.gather_rows(trainer.nan_to_num(0.0)),
         ranks.gather_rows(batch.sampler_logprobs),
         ranks.gather_rows(batch.response_mask * seen),
+        threshold=is_threshold,
     )
 
 
@@ -384,8 +389,22 @@ def batch_metrics(samples: list[Rollout], generated: list[Rollout], failures: di
         "response_length/clip_ratio": sum(s.completion.finish_reason == "length" for s in generated) / len(lengths),
         "rollout/kept_samples": float(kept),
         "rollout/generated_samples": float(len(generated)),
+        **zero_advantage_groups(samples),
         **episode_metrics([s.example for s in generated]),
     }
+
+
+def zero_advantage_groups(samples: list[Rollout]) -> dict[str, float]:
+    """rollout/zero_adv_groups: the share of the trained groups whose samples all got the same reward (a group
+    estimator gives them zero advantage: no learning signal). Only with groups (num_samples >= 2)."""
+    scores: dict[int, set[float]] = defaultdict(set)
+    sizes: dict[int, int] = defaultdict(int)
+    for sample in samples:
+        scores[sample.group].add(sample.score)
+        sizes[sample.group] += 1
+    if not sizes or max(sizes.values()) < 2:
+        return {}
+    return {"rollout/zero_adv_groups": sum(len(s) == 1 for s in scores.values()) / len(scores)}
 
 
 def step(run: Run, index: int) -> StepResult:
@@ -399,7 +418,7 @@ def step(run: Run, index: int) -> StepResult:
         metrics.update(update_metrics)
     kept = informative_samples(samples, ro.num_samples) if ro.dynamic_sampling else len(samples)
     metrics.update(batch_metrics(samples, generated, failures, kept))
-    metrics.update(mismatch(run.ranks, batch, trainer_logprobs))
+    metrics.update(mismatch(run.ranks, batch, trainer_logprobs, ro.is_threshold))
     timing = run.timer.pop()
     tokens = sum(len(s.prompt_ids) + len(s.completion.token_ids) for s in generated)
     metrics.update(timing)
