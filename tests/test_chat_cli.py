@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from tests.conftest import ROOT, run_cli
+
 from rlfactory.tasks.arith_tools import CALCULATOR_SCHEMA
 
 MODEL = ROOT / "data" / "models" / "tiny-arith-tools"

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from tests.conftest import ROOT, TINY_MODEL, run_cli
 
 PROMPT = [{"role": "user", "content": "Tom has 12 apples and buys 7 more. How many apples does he have?"}]

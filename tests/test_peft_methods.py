@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from pydantic import ValidationError
-
 from tests.conftest import ROOT, TINY_MODEL, expect_train_error, run_cli, write_yaml
+
 from rlfactory.config.schema import FreezeConfig, LoraConfig, ModelConfig, PipelineConfig, QuantizationConfig, RunConfig
 from rlfactory.errors import UserError
 from rlfactory.model.loader import bnb_loading, check_adapter, load_model, peft_lora_config, save_model

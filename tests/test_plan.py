@@ -10,8 +10,8 @@ import sys
 
 import pytest
 import torch
-
 from tests.conftest import ROOT, TINY_MODEL, run_cli
+
 from rlfactory.algos.common import _chunk_rows
 from rlfactory.config.loader import load_config
 from rlfactory.engine import plan_terms as t
