@@ -51,7 +51,7 @@ class Terminal:
         fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 250, 0, 0))  # wide: readline shows whole lines
         self.master, self.text, self.seen = master, "", 0
 
-    def expect(self, pattern: str, timeout: float = 45) -> re.Match:
+    def expect(self, pattern: str, timeout: float = 120) -> re.Match:  # a loaded 2-core CI machine
         """Wait for ``pattern`` in the output after the last match."""
         deadline = time.monotonic() + timeout
         while True:

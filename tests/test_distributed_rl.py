@@ -120,7 +120,7 @@ def test_two_process_grpo_run_writes_once_logs_as_one_process_and_resumes_after_
     train(grpo_config(two), tmp_path)
 
     log = read_log(two)
-    lines = (two / "trainer_log.jsonl").read_text().splitlines()
+    lines = [ln for ln in (two / "trainer_log.jsonl").read_text().splitlines() if '"health"' not in ln]  # alerts
     assert len(lines) == len(set(lines)) == 5  # written once: val at step 0, steps 1-3, val at step 3
     assert [r["step"] for r in log if "score/mean" in r] == [1, 2, 3]
     assert [r["step"] for r in log if "val/score" in r] == [0, 3]

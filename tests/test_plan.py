@@ -169,17 +169,20 @@ PT_RUN = ["data.cutoff_len=256", "train.eval_steps=null", "data.eval_dataset=[]"
 
 def _peak_rss_mib(tmp_path, batch: int) -> float:
     """Peak resident memory (MiB) of a real 3-step pt run of the bundled model in a child process."""
-    import resource
-
     code = "import sys; from rlfactory.cli import main; sys.exit(main(sys.argv[1:]))"
     args = ["train", "examples/quickstart/pt.yaml", f"output_dir={tmp_path / str(batch)}", "train.max_steps=3"]
     args += [f"train.per_device_batch_size={batch}", "train.save_steps=null", "logging.progress_bar=false", *PT_RUN]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), HF_HUB_OFFLINE="1")
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    done = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    assert peak > before  # the largest child so far: runs go from small to large
+    # this child's own peak (wait4): RUSAGE_CHILDREN is the largest child so far of the whole test process (under
+    # xdist, a bigger run of another test)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    stderr = proc.stderr.read().decode(errors="replace")
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    assert proc.returncode == 0, stderr[-2000:]
+    peak = usage.ru_maxrss
     return peak / 1024  # Linux: KiB
 
 
