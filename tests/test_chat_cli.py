@@ -13,6 +13,7 @@ import json
 import os
 import re
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -36,6 +37,13 @@ def trained_tools_file(tmp_path: Path) -> Path:
     return path
 
 
+def _controlling_terminal_with_sigint_ignored() -> None:
+    """Make the pty the child's terminal, and start it with SIGINT ignored as CI's background job does: the
+    chat must take Ctrl-C over itself (Python keeps an inherited SIG_IGN instead of raising KeyboardInterrupt)."""
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class Terminal:
     """The CLI on a pseudo-terminal that is its controlling terminal (so Ctrl-C is a real SIGINT from the tty)."""
 
@@ -45,7 +53,7 @@ class Terminal:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rlfactory", "chat", *args],
             stdin=slave, stdout=slave, stderr=slave, cwd=ROOT, env=env,
-            start_new_session=True, preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+            start_new_session=True, preexec_fn=_controlling_terminal_with_sigint_ignored,
         )  # fmt: skip
         os.close(slave)
         fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 250, 0, 0))  # wide: readline shows whole lines

@@ -343,6 +343,9 @@ def run_terminal(session: ChatSession, banner: str) -> int:
         pass
     printer = TerminalPrinter()
     printer.write(banner + "\n")
+    # Ctrl-C is part of this UI, so take it even where the launcher left SIGINT ignored (a background job of a
+    # non-interactive shell does, and Python then keeps SIG_IGN instead of raising KeyboardInterrupt).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         while True:
             try:
@@ -370,6 +373,7 @@ def run_terminal(session: ChatSession, banner: str) -> int:
                 except KeyboardInterrupt:  # pressed in the instant before the reply took Ctrl-C over
                     printer.line(ENDINGS["stopped"])
     finally:
+        signal.signal(signal.SIGINT, previous)
         close_workers()
 
 
