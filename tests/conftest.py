@@ -83,3 +83,11 @@ def sampled_prob_ratios(model, prompts: list[list[int]], completions: list) -> t
             probs = logits.softmax(-1)
             ratios.append(probs[torch.arange(len(ids)), ids] / probs.max(-1).values)
     return torch.cat(ratios)
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run the files that hold end-to-end (`slow`) tests first, each file kept together (module fixtures are set up
+    once): pytest-xdist hands tests out in this order, so the minutes-long ones start early instead of leaving one
+    worker busy with them at the end while the other idles (test_webui.py sorts last alphabetically)."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: the order within a file is kept
