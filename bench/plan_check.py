@@ -31,7 +31,8 @@ SHAPES = {
                intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
 }  # fmt: skip
 SFT, DPO, GRPO = "examples/quickstart/sft.yaml", "examples/quickstart/dpo.yaml", "examples/grpo/tiny_arith_vllm.yaml"
-COMMON = ["logging.plot_loss=false", "logging.progress_bar=false", "train.save_steps=null", "train.eval_steps=null"]
+COMMON = ["logging.plot_loss=false", "logging.progress_bar=false", "train.save_steps=null", "train.eval_steps=null",
+          "logging.logging_steps=1"]
 OFFLINE = ["data.dataset=long_sft", "data.eval_dataset=[]", "evaluation.dataset=null", "data.cutoff_len=2048"]
 ONLINE = ["rollout.max_prompt_len=128", "rollout.max_response_len=512", "rollout.prompts_per_step=8",
           "rollout.num_samples=8", "evaluation.dataset=null", "model.dtype=auto"]  # fmt: skip
@@ -43,6 +44,13 @@ CASES: dict[str, tuple[str, str, list[str]]] = {
                                   "data.cutoff_len=1024", "model.finetuning=lora", "train.per_device_batch_size=4"]),
     "sft_lora_7b_ckpt": (SFT, "7b", [*OFFLINE, "model.finetuning=lora", "model.gradient_checkpointing=true",
                                      "train.per_device_batch_size=4"]),
+    # QLoRA against LoRA on the 7B shape (the after-training issue's measurement): peak memory and seconds per step
+    "sft_qlora4_7b_ckpt": (SFT, "7b", [*OFFLINE, "model.finetuning=lora", "model.gradient_checkpointing=true",
+                                       "train.per_device_batch_size=4", "model.quantization.bits=4"]),
+    "sft_qlora8_7b_ckpt": (SFT, "7b", [*OFFLINE, "model.finetuning=lora", "model.gradient_checkpointing=true",
+                                       "train.per_device_batch_size=4", "model.quantization.bits=8"]),
+    "sft_dora_7b_ckpt": (SFT, "7b", [*OFFLINE, "model.finetuning=lora", "model.gradient_checkpointing=true",
+                                     "train.per_device_batch_size=4", "lora.use_dora=true"]),
     "grpo_vllm_05b": (GRPO, "05b", [*ONLINE, "model.finetuning=lora", "train.per_device_batch_size=16"]),
     "grpo_vllm_sleep_05b": (GRPO, "05b", [*ONLINE, "model.finetuning=lora", "train.per_device_batch_size=16",
                                           "rollout.enable_sleep_mode=true"]),
@@ -104,6 +112,17 @@ def poll_used(stop: threading.Event, peak: list[float]) -> None:
         time.sleep(0.05)
 
 
+def seconds_per_step(log: Path) -> float | None:
+    """Mean wall seconds per step after the first (its compile and allocator warm-up), from the log's elapsed_s."""
+    if not log.is_file():
+        return None
+    rows = [json.loads(x) for x in log.read_text().splitlines() if '"elapsed_s"' in x]
+    rows = [r for r in rows if "elapsed_s" in r and "step" in r]
+    if len(rows) < 2:
+        return None
+    return round((rows[-1]["elapsed_s"] - rows[0]["elapsed_s"]) / (rows[-1]["step"] - rows[0]["step"]), 3)
+
+
 def run_case(name: str, work: Path, steps: int, plan_only: bool = False) -> dict:
     from rlfactory.engine import plan_terms
     from rlfactory.engine.plan_report import plan_config
@@ -141,6 +160,7 @@ def run_case(name: str, work: Path, steps: int, plan_only: bool = False) -> dict
     }
     if result["rc"] != 0:
         result["stderr"] = done.stderr[-1500:]
+    result["s_per_step"] = seconds_per_step(work / "runs" / name / "trainer_log.jsonl")
     measured = max(result["allocated_plus_context_gb"], result["smi_peak_gb"])
     result["error_pct"] = round(100 * (result["estimate_gb"] - measured) / measured, 1) if measured else None
     return result
@@ -158,13 +178,13 @@ def main() -> None:
     for name in args.cases.split(","):
         results.append(run_case(name, work, args.steps, args.plan_only))
         print(json.dumps(results[-1]), flush=True)
+        shutil.rmtree(work / "runs" / name, ignore_errors=True)  # a 7B run's output: the disk is not large
     if args.plan_only:
         return
-        shutil.rmtree(work / "runs" / name, ignore_errors=True)
-    print(f"\n{'case':<22} {'plan GiB':>9} {'alloc+ctx':>10} {'smi peak':>9} {'error':>7}")
+    print(f"\n{'case':<22} {'plan GiB':>9} {'alloc+ctx':>10} {'smi peak':>9} {'error':>7} {'s/step':>7}")
     for r in results:
         print(f"{r['case']:<22} {r['estimate_gb']:>9} {r['allocated_plus_context_gb']:>10} {r['smi_peak_gb']:>9} "
-              f"{r['error_pct']!s:>6}%")  # fmt: skip
+              f"{r['error_pct']!s:>6}% {r.get('s_per_step')!s:>7}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -231,3 +231,30 @@ def test_cli_json_and_bad_input(tmp_path):
     bad_model = run_cli("plan", "examples/quickstart/sft.yaml", f"model.name_or_path={tmp_path}/none")
     assert bad_model.returncode == 2, bad_model.stderr
     assert bad_model.stderr.count("\n") == 1 and "model.name_or_path" in bad_model.stderr
+
+
+def test_qlora_weights_by_hand():
+    """QLoRA's base: the layers' linears in 4 or 8 bits (+ their constants), the rest in float32 (peft's
+    prepare_model_for_kbit_training)."""
+    import dataclasses
+
+    shape = dataclasses.replace(SMALL, params_layers=2 * (576 + 16))  # 576 linear weights and 2 norms per layer
+    rest_fp32 = (256 + 2 * 16 + 8) * 4
+    assert t.quantized_weights_bytes(shape, 4, double_quant=False) == 1152 * (0.5 + 4 / 64) + rest_fp32
+    assert t.quantized_weights_bytes(shape, 4, double_quant=True) == 1152 * (0.5 + 1 / 64 + 4 / 16384) + rest_fp32
+    assert t.quantized_weights_bytes(shape, 8, double_quant=False) == 1152 + 2 * 64 * 4 + rest_fp32  # row scales
+
+
+def test_qlora_plan_counts_the_quantized_base():
+    """A QLoRA run's plan holds the 4-bit base (not bf16 weights) and no autocast weight copies; it is smaller
+    than the same LoRA run's by about the base's saving."""
+    config = str(ROOT / "examples/quickstart/sft.yaml")
+    gpu = dict(gpus=1, gpu_memory_gb=80, gpu_name="H100")
+    (lora,) = plan_config(config, ["model.finetuning=lora"], **gpu)
+    (qlora,) = plan_config(config, ["model.finetuning=lora", "model.quantization.bits=4"], **gpu)
+    shape = model_shape(str(TINY_MODEL))
+    weights = next(term for term in qlora.terms if term.name.startswith("policy weights"))
+    assert weights.name == "policy weights (4-bit linears, fp32 rest)"
+    assert weights.bytes == t.quantized_weights_bytes(shape, 4, double_quant=True)
+    assert not any(term.name.startswith("autocast") for term in qlora.terms)
+    assert qlora.to_dict()["terms"][0]["name"] == weights.name and lora.peak != qlora.peak

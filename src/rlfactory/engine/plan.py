@@ -91,7 +91,9 @@ def model_shape(path: str, trust_remote_code: bool = False) -> t.ModelShape:
 def precision(cfg: RunConfig, gpu: Gpu) -> t.Precision:
     """Weight bytes as ``model.loader.resolve_dtype`` picks them (auto: bf16 for LoRA on a GPU, else fp32) and the
     compute bytes as ``engine.shared._mixed_precision`` does (auto: bf16 autocast on a GPU, none on a CPU)."""
-    if cfg.model.dtype == "auto":
+    if cfg.model.quantization is not None:  # prepare_model_for_kbit_training: the unquantized rest in float32
+        weights = 4
+    elif cfg.model.dtype == "auto":
         weights = 2 if gpu.cuda and cfg.model.finetuning == "lora" else 4
     else:
         weights = DTYPE_BYTES[cfg.model.dtype]
@@ -241,6 +243,10 @@ def state_terms(label: str, shape: t.ModelShape, trainable: int, p: t.Precision,
     shards = n if name in ("zero3", "fsdp2") else 1
     base = 0.0 if name == "zero3_offload" else t.weights_bytes(shape.params, weight_bytes, shards)
     terms = [Term(f"{label} weights ({'fp32' if weight_bytes == 4 else 'bf16'})", base)]
+    quant = cfg.model.quantization
+    if quant is not None and label == "policy":  # the critic loads unquantized
+        base = t.quantized_weights_bytes(shape, quant.bits, quant.double_quant)
+        terms = [Term(f"{label} weights ({quant.bits}-bit linears, fp32 rest)", base)]
     if lora:  # PEFT keeps adapters in float32 (autocast_adapter_dtype)
         terms.append(Term(f"{label} LoRA adapters (fp32)", trainable * 4 / shards))
     states = t.adamw_states(trainable, 4 if lora else p.weights, name, n)
@@ -272,6 +278,8 @@ def activation_terms(cfg: RunConfig, shape: t.ModelShape, p: t.Precision, gpu: G
     working = t.backward_layer_bytes(per_layer, tokens)
     terms.append(Term("backward working memory", working, "update", "one layer's gradients", transient=True))
     copies = t.autocast_copy_bytes(shape, p)
+    if cfg.model.quantization is not None:  # bitsandbytes' layers dequantize in their own kernels: no cached copy
+        copies = 0.0
     if copies and strategy(cfg) not in ("zero2", "zero3", "zero3_offload"):  # DeepSpeed: bf16 weights, no cast
         terms.append(Term("autocast bf16 weight copies", copies, "update", "fp32 weights cast for the matmuls"))
     return terms

@@ -73,6 +73,23 @@ def weights_bytes(params: int, dtype_bytes: int, shards: int = 1) -> float:
     return params * dtype_bytes / shards
 
 
+def quantized_weights_bytes(shape: ModelShape, bits: int, double_quant: bool) -> float:
+    """QLoRA's frozen base as ``model.loader`` loads it: the decoder layers' linears in ``bits`` bits through
+    bitsandbytes, and everything else (embeddings, head, norms) cast to float32 by peft's
+    ``prepare_model_for_kbit_training``.
+
+    4 bits: half a byte per weight plus one absmax per block of 64 (float32, or with ``double_quant`` an 8-bit
+    absmax and one float32 per 256 of those). 8 bits (LLM.int8): one byte per weight plus a float32 scale per
+    output row."""
+    linear = shape.layers * shape.linear_params_per_layer
+    if bits == 8:
+        quantized = linear + shape.layers * sum(out for _, out in shape.linears.values()) * 4
+    else:
+        constants = 1 / 64 + 4 / (64 * 256) if double_quant else 4 / 64
+        quantized = linear * (0.5 + constants)
+    return quantized + (shape.params - linear) * 4
+
+
 @dataclass(frozen=True)
 class States:
     """Per-GPU bytes of the trainable parameters' gradients, optimizer moments and fp32 master copy."""
