@@ -387,3 +387,35 @@ def test_four_epochs_per_batch_clip_the_ratio_and_move_the_policy_too_far(tmp_pa
     fired_rules = {(rule, metric): step for step, rule, metric in alerts_of(log)}
     assert fired_rules.get(("clip_fraction", "actor/pg_clipfrac")) in (3, 4), fired_rules
     assert fired_rules.get(("policy_kl", "actor/ppo_kl")) in (3, 4), fired_rules
+
+
+PAYS_SHORT = '''
+def pays_short(prompt, completion, answer, example):
+    """Pays for stopping: the shorter the completion, the higher the reward."""
+    return -len(completion) / 30
+'''
+
+
+@pytest.mark.slow
+def test_a_reward_for_stopping_collapses_the_entropy(tmp_path: Path):
+    """A reward that pays short completions, sampled at temperature 1.5 with lr 5e-3: the policy learns to end at
+    once (18 tokens -> 1 by step 5) and its token entropy collapses (measured 0.58, 1.30, 1.37 over steps 1-3,
+    0.096, 0.064, 0.048 over steps 5-7): entropy_collapse fires at step 7, the first window under a tenth of the
+    start's. About 15 s on 2 idle cores, up to a minute on busy ones."""
+    (tmp_path / "rewards.py").write_text(PAYS_SHORT)
+    cfg = grpo_run(
+        tmp_path,
+        rollout={"temperature": 1.5},
+        reward={"functions": {f"{tmp_path / 'rewards.py'}:pays_short": 1.0}},
+        train={"max_steps": 7, "per_device_batch_size": 32, "learning_rate": 5e-3},
+    )
+    log, stderr = train(tmp_path, cfg)
+    assert (7, "entropy_collapse", "actor/entropy") in alerts_of(log)
+    entropy = [r["actor/entropy"] for r in log if "actor/entropy" in r]
+    collapse = next(r["health"] for r in log if "health" in r and r["health"]["rule"] == "entropy_collapse")
+    start, now = sum(entropy[:3]) / 3, sum(entropy[-3:]) / 3
+    assert now < start / 10 and collapse["value"] == pytest.approx(now, abs=1e-5)
+    assert f"entropy collapsed from {start:.3g} to {now:.3g}" in collapse["message"]
+    lengths = [r["response_length/mean"] for r in log if "response_length/mean" in r]
+    assert lengths[0] > 10 and lengths[-1] < 2  # it learned to stop: the collapse is the policy's, not sampling's
+    assert "health: entropy_collapse at step 7" in stderr

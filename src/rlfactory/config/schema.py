@@ -334,8 +334,9 @@ class LoggingConfig(Section):
     rollout_trace_steps: int | None = Field(
         10,
         ge=1,
-        description="ppo/grpo: every N steps write rollouts/step_<5-digit step>.jsonl (prompts, completions, "
-        "token counts, rewards per component, advantages). null: never.",
+        description="ppo/grpo: every N steps (and at the first, and at a step where a health rule fired) write "
+        "rollouts/step_<5-digit step>.jsonl (prompts, completions, the response's trained/masked token runs, token "
+        "counts, rewards per component, advantages). null: never.",
     )
 
     _as_list_report = field_validator("report_to", mode="before")(_as_list)

@@ -314,6 +314,7 @@ class HealthMonitor:
         self.out, self.main = out, main
         self.history = History()
         self.fired: set[tuple[str, str]] = set()
+        self.alert_steps: set[int] = set()  # steps whose records fired a rule (the loop traces their rollouts)
         self.stop: Alert | None = None
 
     def check(self, record: dict[str, Any]) -> list[Alert]:
@@ -328,6 +329,7 @@ class HealthMonitor:
                 alerts.append(
                     Alert(record["step"], name, rule.action, finding.metric, finding.value, finding.message, fixes)
                 )
+                self.alert_steps.add(record["step"])
         if self.stop is None:
             self.stop = next((a for a in alerts if a.action == "stop"), None)
         return alerts

@@ -270,7 +270,8 @@ def plan_config(
     gpu_memory_gb: float | None = None,
     gpu_name: str | None = None,
 ) -> list[Plan]:
-    """What the WebUI calls next to Start: a YAML path and overrides -> the plans (UserError on bad input)."""
+    """The CLI's entry: a YAML path and overrides -> the plans (UserError on bad input). The WebUI's estimate next to
+    Start calls ``plan_runs`` on the form's validated config (webui/plan_panel.py)."""
     from rlfactory.config.loader import load_config
 
     config = load_config(path, overrides)
@@ -298,7 +299,7 @@ def render(plan: Plan) -> str:
         lines.append(f"  {term.name:<38} {term.gb:8.2f}  {term.phase}{note}")
     lines.append(f"  {'peak (' + plan.peak_phase + ')':<38} {plan.peak / t.GiB:8.2f}")
     lines.append("")
-    lines.append(_verdict(plan))
+    lines.append(verdict(plan))
     lines += _time_lines(plan)
     for i, sug in enumerate(plan.suggestions, 1):
         mark = "fits" if sug["fits"] else "still too large"
@@ -309,7 +310,7 @@ def render(plan: Plan) -> str:
     return "\n".join(lines + plan.notes)
 
 
-def _verdict(plan: Plan) -> str:
+def verdict(plan: Plan) -> str:
     if plan.gpu.memory is None:
         return f"GPU memory unknown (no CUDA device here): give --gpu-memory GB; peak {plan.peak / t.GiB:.1f} GiB"
     gpu = f"{plan.gpu.name or 'GPU'} with {plan.gpu.memory / t.GiB:.1f} GiB"

@@ -41,6 +41,10 @@ CHARTS: tuple[Chart, ...] = (
     Chart("entropy", ("actor/entropy",)),
     Chart("response length", ("response_length/mean",)),
     Chart("clip fraction", ("actor/pg_clipfrac",)),
+    # the rate metrics the health rules read (engine/health.py RATE_RULES)
+    Chart("responses cut at the cap", ("response_length/clip_ratio",)),
+    Chart("zero-advantage groups", ("rollout/zero_adv_groups",)),
+    Chart("sampler mismatch (tokens over the IS cap)", ("rollout/ratio_over_cap",)),
     Chart("phase timings (s)", ("timing_s/*",)),
 )
 MAX_CHARTS = len(CHARTS)
@@ -90,6 +94,29 @@ def chart_series(records: list[dict[str, Any]]) -> list[tuple[str, list[dict[str
         if rows:
             charts.append((chart.title, rows))
     return charts
+
+
+def alert_markers(
+    charts: list[tuple[str, list[dict[str, Any]]]], alerts: list[dict[str, Any]]
+) -> list[tuple[str, list[dict[str, Any]]]]:
+    """Each health alert as a vertical line at its step, a series of its own (``⚠ rule @ step``), on the chart of
+    the metric it judged (a metric without a chart, e.g. skipped_steps: the first chart, the loss)."""
+    patterns = {chart.title: chart.patterns for chart in CHARTS}
+    marked = [(title, list(rows)) for title, rows in charts]
+    for alert in alerts if marked else []:
+        metric = str(alert.get("metric"))
+        index = next(
+            (i for i, (title, _) in enumerate(marked) if any(fnmatch.fnmatchcase(metric, p) for p in patterns[title])),
+            0,
+        )
+        rows = marked[index][1]
+        values = [row["value"] for row in rows if not str(row["series"]).startswith("⚠")]
+        low, high = (min(values), max(values)) if values else (0.0, 1.0)
+        if high == low:
+            low, high = low - 0.5, high + 0.5
+        name = f"⚠ {alert.get('rule')} @ {alert['step']}"
+        rows += [{"step": alert["step"], "value": value, "series": name} for value in (low, high)]
+    return marked
 
 
 def configured_steps(output_dir: str | Path) -> int | None:

@@ -1,4 +1,4 @@
-"""The Monitor tab: pick a run (live or old), watch its progress, log, charts and rollouts."""
+"""The Monitor tab: pick a run (live or old), watch its progress, health alerts, log, charts and rollouts."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import gradio as gr
 import pandas as pd
 
 from rlfactory.errors import UserError
-from rlfactory.webui import monitor, workspace
+from rlfactory.webui import monitor, rollout_view, workspace
+from rlfactory.webui.health_panel import HealthPanel
 from rlfactory.webui.train_tab import error_md, stop_message
 
 TICK_S = 1.0
@@ -42,6 +43,7 @@ class MonitorTab:
         self.stop_message = gr.Markdown(elem_id="monitor-stop-message")
         self.status = gr.Markdown("pick a run, or press Start on the Train tab", elem_id="monitor-status")
         self.progress = gr.HTML(elem_id="monitor-progress")
+        self.health = HealthPanel()
         self.charts = []
         for start in range(0, monitor.MAX_CHARTS, CHARTS_PER_ROW):
             with gr.Row():
@@ -60,7 +62,10 @@ class MonitorTab:
         self.timer = gr.Timer(TICK_S)
 
     def outputs(self) -> list[Any]:
-        return [self.status, self.progress, *self.charts, self.log, self.rollouts, self.runs, self.fingerprint]
+        return [
+            self.status, self.progress, *self.charts, self.log, self.rollouts, self.runs, self.fingerprint,
+            *self.health.outputs(),
+        ]  # fmt: skip
 
     def update(self, run: str | None, seen: Any) -> list[Any]:
         """Everything the tab shows, or gr.skip() for all when nothing changed on disk since ``seen``."""
@@ -69,12 +74,13 @@ class MonitorTab:
         try:
             workspace.current().readable(run, "run")
         except UserError as exc:
-            return [error_md(exc), *[gr.skip()] * (len(self.outputs()) - 2), None]
+            skips = [gr.skip()] * len(self.health.outputs())
+            return [error_md(exc), *[gr.skip()] * (len(self.outputs()) - 2 - len(skips)), None, *skips]
         current = monitor.fingerprint(run)
         if current == seen:
             return [gr.skip()] * len(self.outputs())
         records = monitor.read_records(run)
-        charts = monitor.chart_series(records)
+        charts = monitor.alert_markers(monitor.chart_series(records), rollout_view.alerts(records))
         plots = []
         for index in range(monitor.MAX_CHARTS):
             if index < len(charts):
@@ -96,7 +102,8 @@ class MonitorTab:
         fraction, line = monitor.progress(run, records)
         status = monitor.status_line(run)
         runs = _runs_table()  # the run's status or step changed: so did its row
-        return [status, _progress_html(fraction, line), *plots, monitor.log_text(run), rollouts, runs, current]
+        shown = [status, _progress_html(fraction, line), *plots, monitor.log_text(run), rollouts, runs, current]
+        return [*shown, *self.health.update(run, records)]
 
     def on_stop(self, run: str | None) -> str:
         return stop_message(run) if run else "pick a run first"
@@ -114,3 +121,4 @@ class MonitorTab:
         self.stop_btn.click(self.on_stop, self.run, self.stop_message)
         self.refresh_btn.click(self.on_refresh, None, [self.run, self.runs])
         self.runs.select(self.on_select, self.runs, self.run)
+        self.health.wire(self.run)

@@ -11,6 +11,7 @@ import gradio as gr
 from rlfactory.errors import UserError
 from rlfactory.webui import preview, runner, workspace
 from rlfactory.webui import schema_form as sf
+from rlfactory.webui.plan_panel import PlanPanel
 
 # Shown first, above the sections, in these rows (they still come from the schema): what to train, and on how
 # many GPUs with which strategy (the same `distributed` keys the CLI reads: `rlfactory train` starts torchrun).
@@ -170,6 +171,7 @@ class TrainTab:
             self.preview_btn = gr.Button("Preview YAML", elem_id="btn-preview-yaml")
             self.start_btn = gr.Button("Start", variant="primary", elem_id="btn-start")
             self.stop_btn = gr.Button("Stop", variant="stop", elem_id="btn-stop")
+        self.plan = PlanPanel()  # the memory estimate, next to Start
         with gr.Row():
             self.load_path = gr.Dropdown(
                 example_yamls(), label="YAML to load", allow_custom_value=True, elem_id="load-path", scale=3
@@ -314,6 +316,7 @@ class TrainTab:
         self.widgets["stage"].change(self.stage_visibility, self.widgets["stage"], list(self.stage_groups.values()))
         self.preview_btn.click(self.on_preview_yaml, inputs, [self.message, self.yaml_view])
         self.validate_btn.click(self.on_validate, inputs, self.check_outputs)
+        self.plan.wire(inputs, self.raw, self.validate_btn)
         self.save_btn.click(self.on_save, [self.save_path, *inputs], [self.message, self.load_path])
         self.load_btn.click(self.on_load, self.load_path, [*inputs, *self.stage_groups.values(), self.message])
         for button, delta in ((self.show_btn, 0), (self.prev_btn, -1), (self.next_btn, 1)):

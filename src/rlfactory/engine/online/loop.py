@@ -218,6 +218,19 @@ def write_trace(out: Path, name: str, rows: list[dict[str, Any]]) -> Path:
     return path
 
 
+def _trace(run: Run, done: int, result: Any) -> bool:
+    """``rollouts/step_XXXXX.jsonl`` at the first step, every ``logging.rollout_trace_steps``, and at a step where a
+    health rule fired (the WebUI opens that step's samples from the alert); by the main process. True if due."""
+    every = run.cfg.logging.rollout_trace_steps
+    alerted = run.health is not None and done in run.health.alert_steps
+    if not every or not (done == 1 or done % every == 0 or alerted):
+        return False
+    if run.accelerator.is_main_process:
+        rows = trace_rows(done, result.samples, result.advantages, run.tokenizer, run.cfg.rollout.mask_truncated)
+        write_trace(run.out, f"step_{done:05d}", rows)
+    return True
+
+
 def _log(run: Run, record: dict[str, Any]) -> None:
     """One trainer_log.jsonl line, then the health rules on it (their alerts follow it in the log)."""
     record = {k: round(v, 6) if isinstance(v, float) else v for k, v in record.items()}
@@ -313,7 +326,7 @@ def _checkpoint(run: Run, done: int) -> Path:
 def _loop(run: Run, bar: Any, stop: shared.StopSignals, validates: bool) -> dict[str, float]:
     """The steps from the current one to the end; returns the last logged metrics. Stops (after a checkpoint) on
     SIGTERM/SIGINT and when a reward function failed ``reward.max_failures_in_a_row`` calls in a row."""
-    cfg, main = run.cfg, run.accelerator.is_main_process
+    cfg = run.cfg
     streaks = FailureStreaks(cfg.reward.max_failures_in_a_row)
     tool_streak = FailureStreaks(cfg.agent.max_tool_errors_in_a_row if cfg.agent is not None else None)
     window: list[dict[str, float]] = []
@@ -333,10 +346,9 @@ def _loop(run: Run, bar: Any, stop: shared.StopSignals, validates: bool) -> dict
             eta = elapsed / (done - start_step) * (run.total_steps - done)
             _log(run, {"step": done, "epoch": run.state.epoch, **last, "elapsed_s": elapsed, "eta_s": eta})
             window = []
-        if main and cfg.logging.rollout_trace_steps and (done == 1 or done % cfg.logging.rollout_trace_steps == 0):
-            write_trace(run.out, f"step_{done:05d}", trace_rows(done, result.samples, result.advantages))
         if validates and cfg.train.eval_steps and done % cfg.train.eval_steps == 0 and done < run.total_steps:
             _validate_and_log(run, done)
+        traced = _trace(run, done, result)
         saved = None
         if cfg.train.save_steps and done % cfg.train.save_steps == 0 and done < run.total_steps:
             saved = _checkpoint(run, done)
@@ -352,6 +364,7 @@ def _loop(run: Run, bar: Any, stop: shared.StopSignals, validates: bool) -> dict
             continue
         if done % cfg.logging.logging_steps:  # the step's metrics (and failure counts) reach the log first
             _log(run, {"step": done, "epoch": run.state.epoch, **_mean(window)})
+            traced = traced or _trace(run, done, result)  # an alert of that record points to this step
         saved = saved or _checkpoint(run, done)
         if unhealthy is not None:
             raise health.stopped(unhealthy, saved)

@@ -428,22 +428,48 @@ def step(run: Run, index: int) -> StepResult:
     return StepResult(metrics, samples, batch, advantages)
 
 
-def trace_rows(step_index: int, samples: list[Rollout], advantages: list[float]) -> list[dict]:
-    return [
-        {
-            "step": step_index,
-            "group": s.group,
-            "source": s.example.get("source"),
-            "prompt": s.example["prompt_text"],
-            "completion": s.text,
-            "answer": s.example.get("answer"),
-            "prompt_tokens": len(s.prompt_ids),
-            "response_tokens": len(s.completion.token_ids),
-            "finish_reason": s.completion.finish_reason,
-            "rewards": s.rewards,
-            "score": s.score,
-            "advantage": advantage,
-            **episode_trace_fields(s.example),
-        }
-        for s, advantage in zip(samples, advantages, strict=True)
-    ]
+def token_kinds(completion: Any, mask_truncated: bool) -> list[str]:
+    """Each response token's part: ``trained`` (in the loss), ``observation`` (not sampled by the policy: tool
+    results, environment text; mask 0) or ``masked`` (sampled, but out of the loss: a response cut at the cap under
+    rollout.mask_truncated); the masks ``pack_rollouts`` gives the loss."""
+    cut = mask_truncated and completion.finish_reason == "length"
+    return ["observation" if not m else "masked" if cut else "trained" for m in completion.policy_mask()]
+
+
+def response_segments(tokenizer: Any, token_ids: list[int], kinds: list[str]) -> list[list[str]]:
+    """The response as runs of ``[text, kind]`` (the WebUI's rollout browser shows which tokens were trained)."""
+    segments, start = [], 0
+    for i in range(1, len(kinds) + 1):
+        if i == len(kinds) or kinds[i] != kinds[start]:
+            segments.append([tokenizer.decode(token_ids[start:i]), kinds[start]])
+            start = i
+    return segments
+
+
+def trace_rows(
+    step_index: int, samples: list[Rollout], advantages: list[float], tokenizer: Any, mask_truncated: bool
+) -> list[dict]:
+    """One line per trained sample of the step (``rollouts/step_XXXXX.jsonl``)."""
+    rows = []
+    for s, advantage in zip(samples, advantages, strict=True):
+        kinds = token_kinds(s.completion, mask_truncated)
+        rows.append(
+            {
+                "step": step_index,
+                "group": s.group,
+                "source": s.example.get("source"),
+                "prompt": s.example["prompt_text"],
+                "completion": s.text,
+                "answer": s.example.get("answer"),
+                "prompt_tokens": len(s.prompt_ids),
+                "response_tokens": len(s.completion.token_ids),
+                "trained_tokens": kinds.count("trained"),
+                "finish_reason": s.completion.finish_reason,
+                "rewards": s.rewards,
+                "score": s.score,
+                "advantage": advantage,
+                "segments": response_segments(tokenizer, s.completion.token_ids, kinds),
+                **episode_trace_fields(s.example),
+            }
+        )
+    return rows
