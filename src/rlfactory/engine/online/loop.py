@@ -62,6 +62,24 @@ def _updater(accelerator: Accelerator, model: Any, lr: float, cfg: RunConfig, up
     return Updater(accelerator, model, optimizer, scheduler, cfg.train.max_grad_norm, ranks)
 
 
+def packing_on(cfg: RunConfig) -> bool:
+    """``rollout.packing``: whether micro-batches run as padding-free rows (``update.PackedRows``).
+
+    Exact wherever the model builds its attention mask from the position ids when none is given: transformers' own
+    models do for every ``model.attn_implementation`` (sdpa / eager / flex: a block-diagonal mask; flash-attention:
+    varlen). A model with its own code may not, and would let samples attend to each other: auto leaves it padded."""
+    setting = cfg.rollout.packing
+    if setting == "auto" and cfg.model.trust_remote_code:
+        log.info(
+            "rollout.packing auto: off, the model runs its own code (model.trust_remote_code), which may not separate "
+            "packed samples; set rollout.packing: on if its attention builds the mask from position ids"
+        )
+        return False
+    if setting != "off":
+        log.info("rollout.packing %s: micro-batches train as padding-free rows (their real tokens only)", setting)
+    return setting != "off"
+
+
 def check_processes(accelerator: Accelerator, cfg: RunConfig) -> None:
     """What several processes need (the launcher's settings are known only once the Accelerator exists)."""
     from accelerate.utils import DistributedType
@@ -135,6 +153,9 @@ def build_run(
         critic.train()
         _ddp_ignore_unused(critic)
         critic_updater = _updater(accelerator, critic, cfg.critic.learning_rate, cfg, updates, ranks)
+    actor.packing = packing_on(cfg)
+    if critic_updater is not None:
+        critic_updater.packing = actor.packing
     actor.guard = shared.NonFiniteGuard(cfg.train, accelerator, Path(cfg.output_dir))
     if critic_updater is not None:
         critic_updater.guard = actor.guard
