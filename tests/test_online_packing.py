@@ -188,21 +188,23 @@ def test_packed_critic_values_loss_and_gradients_equal_padded_ones(model, batch)
 
 
 def test_packing_setting(tmp_path):
-    """auto packs for transformers' own models, not for a model with its own code (it may not separate samples)."""
+    """auto packs with the kernels that skip masked blocks, for transformers' own models only; on and off force it."""
     from rlfactory.config.schema import RunConfig
     from rlfactory.engine.online.loop import packing_on
 
-    def cfg(packing: str, remote: bool = False) -> RunConfig:
+    def cfg(packing: str, attn: str = "flash_attention_2", remote: bool = False) -> RunConfig:
         return RunConfig.model_validate(
             {
                 "stage": "grpo",
                 "output_dir": str(tmp_path / "out"),
-                "model": {"name_or_path": str(TINY_MODEL), "trust_remote_code": remote},
+                "model": {"name_or_path": str(TINY_MODEL), "trust_remote_code": remote, "attn_implementation": attn},
                 "data": {"dataset": "arith_prompts"},
                 "rollout": {"packing": packing},
                 "reward": {"functions": {"answer_match": 1.0}},
             }
         )
 
-    assert packing_on(cfg("auto")) and packing_on(cfg("on", remote=True))
-    assert not packing_on(cfg("auto", remote=True)) and not packing_on(cfg("off"))
+    assert packing_on(cfg("auto")) and packing_on(cfg("auto", "flex_attention")) and packing_on(cfg("on", "sdpa"))
+    assert not packing_on(cfg("auto", "sdpa")) and not packing_on(cfg("auto", "eager"))
+    assert not packing_on(cfg("auto", remote=True)) and packing_on(cfg("on", remote=True))
+    assert not packing_on(cfg("off"))
