@@ -22,6 +22,9 @@ emit the end-of-turn token (1 in 151,936 per token), so GRPO completions run to 
           vLLM importance-sampling correction, so its extra no-grad log-prob pass). ``--trl-no-gc`` adds a run
           without gradient checkpointing.
 - memory: the ``--sleep-runs`` pairs again with enable_sleep_mode (peak device memory vs the same grpo run).
+- ``--var-lengths 32:1024 --tokens 1024``: every case again with variable response lengths: each sample's
+          max_tokens drawn from 32..1024 (``--length-seed``), the same draw for ours and TRL (``vary_lengths``
+          wraps vLLM's generate in each case's process; vLLM cases only, the hf backend keeps --tokens).
 
 Step time, for ours and TRL alike: the wall-clock interval between consecutive step ends, median over the steps
 after ``--warmup``. Each case runs in its own subprocess (a fresh CUDA context, so peak memory is its own);
@@ -130,6 +133,63 @@ class StepClock:
         if self.last is not None:
             self.intervals.append(now - self.last)
         self.last = now
+
+
+def draw_max_tokens(low: int, high: int, seed: int):
+    """The per-request budget of the variable-length variant: one draw from [low, high] per sample, from one seeded
+    stream, in request order. Ours (a group is one request with n samples) and TRL (n requests of one sample each,
+    a prompt's repeats back to back) ask for a step's samples in the same order, so sample i of every step gets the
+    same budget on both sides."""
+    import random
+
+    rng = random.Random(seed)
+    return lambda: rng.randint(low, high)
+
+
+def expand_requests(prompts: list, params: list, draw) -> tuple[list, list, list[int]]:
+    """Each request of n samples -> n requests of one sample, each with its own drawn ``max_tokens`` (vLLM cannot give
+    the samples of one request different budgets); and each original request's n, to merge the outputs back."""
+    flat_prompts, flat_params, counts = [], [], []
+    for prompt, param in zip(prompts, params, strict=True):
+        counts.append(param.n)
+        for _ in range(param.n):
+            one = param.clone()
+            one.n, one.max_tokens = 1, draw()
+            flat_prompts.append(prompt)
+            flat_params.append(one)
+    return flat_prompts, flat_params, counts
+
+
+def merge_outputs(outputs: list, counts: list[int]) -> list:
+    """The outputs of ``expand_requests``' requests -> one output per original request, its samples indexed 0..n-1."""
+    merged, start = [], 0
+    for n in counts:
+        group = outputs[start : start + n]
+        start += n
+        for index, out in enumerate(group):
+            out.outputs[0].index = index
+        group[0].outputs = [out.outputs[0] for out in group]
+        merged.append(group[0])
+    return merged
+
+
+def vary_lengths(spec: str, seed: int) -> None:
+    """``--var-lengths LOW:HIGH``: every ``vllm.LLM.generate`` of this process (ours and TRL's alike) gives each
+    sample its own max_tokens, drawn by ``draw_max_tokens``: real GRPO's response lengths vary 10x within a group,
+    which random weights (never ending a turn) cannot show by themselves."""
+    import vllm
+
+    low, high = (int(x) for x in spec.split(":"))
+    draw, inner = draw_max_tokens(low, high, seed), vllm.LLM.generate
+
+    def generate(self, prompts, sampling_params=None, *args, **kwargs):
+        single = not isinstance(prompts, list)
+        prompts = [prompts] if single else prompts
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        flat_prompts, flat_params, counts = expand_requests(prompts, params, draw)
+        return merge_outputs(inner(self, flat_prompts, flat_params, *args, **kwargs), counts)
+
+    vllm.LLM.generate = generate
 
 
 def _median(values: list[float]) -> float | None:
@@ -418,9 +478,25 @@ def case_trl(args, model_dir: Path) -> dict:
 
 def run_one(args) -> None:
     model_dir = Path(args.model_dir)
+    if args.var_lengths:
+        vary_lengths(args.var_lengths, args.length_seed)
     cases = {"gen": case_gen, "trl": case_trl}
     result = cases.get(args.case, case_grpo)(args, model_dir)
+    if args.var_lengths:
+        result["var_lengths"] = f"{args.var_lengths} seed {args.length_seed}"
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def run_case(cmd: list[str], timeout: float) -> tuple[str, str, int]:
+    """(stdout, stderr, exit code) of one case; a case past ``timeout`` is killed and reported with what it printed
+    (exit -9, "TIMEOUT" at the end of stderr). On POSIX the output a timed-out child left is BYTES even with
+    ``text=True`` (``subprocess`` attaches what it read so far, undecoded), or None: both become text here."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        return proc.stdout, proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        text = lambda out: out.decode(errors="replace") if isinstance(out, bytes) else (out or "")  # noqa: E731
+        return text(exc.stdout), text(exc.stderr) + "\nTIMEOUT", -9
 
 
 def table(results: list[dict]) -> str:
@@ -497,6 +573,14 @@ def main() -> None:
     parser.add_argument("--make-model", default=None, help="only write a random model of --shape to this dir")
     parser.add_argument("--log", default=None, help="append every case's stdout/stderr to this file")
     parser.add_argument("--case-timeout", type=int, default=420, help="seconds before a case is killed")
+    parser.add_argument(
+        "--var-lengths",
+        default=None,
+        metavar="LOW:HIGH",
+        help="vLLM cases: each sample's max_tokens drawn from LOW..HIGH (e.g. 32:1024; --tokens must be >= HIGH), "
+        "the same seeded draw for ours and TRL",
+    )
+    parser.add_argument("--length-seed", type=int, default=0, help="--var-lengths: the draw's seed")
     # internal: one case in a subprocess
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
@@ -536,6 +620,11 @@ def main() -> None:
     keep = ("prompts", "grpo_prompts", "samples", "tokens", "steps", "warmup", "repeats", "gpu_mem", "gpus")
     passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keep]
     passthrough += ["--eager"] if args.eager else []
+    if args.var_lengths:
+        high = int(args.var_lengths.split(":")[1])
+        if args.tokens < high:
+            parser.error(f"--var-lengths {args.var_lengths} needs --tokens >= {high} (the run's max_response_len)")
+        passthrough += [f"--var-lengths={args.var_lengths}", f"--length-seed={args.length_seed}"]
     results = []
     for extra in runs:
         cmd = [sys.executable, __file__, "--one", "--model-dir", str(model_dir), *passthrough, *extra]
@@ -544,12 +633,7 @@ def main() -> None:
             launch += ["--mixed_precision=bf16"]
             cmd = [sys.executable, *launch, *cmd[1:]]
         start = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.case_timeout)
-            stdout, stderr, code = proc.stdout, proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired as exc:
-            text = lambda out: out.decode(errors="replace") if isinstance(out, bytes) else (out or "")  # noqa: E731
-            stdout, stderr, code = text(exc.stdout), text(exc.stderr) + "\nTIMEOUT", -9
+        stdout, stderr, code = run_case(cmd, args.case_timeout)
         wall = round(time.perf_counter() - start, 1)
         if args.log:
             with open(args.log, "a") as f:

@@ -292,7 +292,7 @@ def test_grpo_learns_on_the_bundled_task(tmp_path: Path):
     cfg = grpo_config(
         tmp_path,
         data={"max_samples": 16},
-        rollout={"prompts_per_step": 16, "num_samples": 8, "max_response_len": 32},
+        rollout={"prompts_per_step": 16, "num_samples": 8, "max_response_len": 32, "packing": "on"},
         reward={"functions": {"answer_match": 1.0}},
         train={
             "max_steps": 20,
@@ -304,7 +304,8 @@ def test_grpo_learns_on_the_bundled_task(tmp_path: Path):
         evaluation={"dataset": "arith_prompts", "max_samples": 16, "max_new_tokens": 32},
         logging={"rollout_trace_steps": None},
     )
-    _train(tmp_path, cfg)
+    result = _train(tmp_path, cfg)
+    assert "micro-batches train as padding-free rows" in result.stderr  # it learns with packed updates
     out = Path(cfg["output_dir"])
     scores = [r["score/mean"] for r in read_log(out) if "score/mean" in r]
     first, last = sum(scores[:5]) / 5, sum(scores[-5:]) / 5

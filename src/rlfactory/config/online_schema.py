@@ -43,6 +43,17 @@ class RolloutConfig(Section):
         le=1.0,
         description="Min-p sampling: drop tokens below min_p x the top token's probability (0: off)",
     )
+    packing: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Padding-free training passes: the reference / old log-prob passes, the critic's values and the "
+        "update run each micro-batch of rollouts as one row, samples back to back with position ids restarting at "
+        "each (the attention mask separates them: the same numbers as padded rows), so a batch of very different "
+        "lengths costs its real tokens, not rows x the longest. auto: on with model.attn_implementation "
+        "flash_attention_2 or flex_attention (they skip the masked blocks), off with sdpa / eager (they compute the "
+        "packed row's whole attention: a win only where the layers' matrix products, not attention, dominate) and for "
+        "a model with its own code (model.trust_remote_code), which may ignore packed position ids; on: always (only "
+        "for models whose attention builds its mask from position ids, as transformers' own models do); off: padded.",
+    )
     generation_batch_size: int = Field(
         64, ge=1, description="Sequences generated at once per device (memory-bound; also used for validation)."
     )

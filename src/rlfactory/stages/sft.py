@@ -18,6 +18,7 @@ import torch
 
 from rlfactory.algos.common import HeadKernels
 from rlfactory.config.schema import RunConfig
+from rlfactory.data.packing import pack_sequences
 from rlfactory.engine.offline import Batch, StageParts, train
 from rlfactory.errors import UserError
 from rlfactory.render.chat import IGNORE_INDEX
@@ -101,20 +102,10 @@ def collate_padded(pad_id: int):
 
 def collate_packed(items: list[dict[str, list[int]]]) -> Batch:
     """One row: documents back to back, position ids restarting at 0, first token of each doc unlabeled."""
-    ids, labels, positions = [], [], []
-    for item in items:
-        n = len(item["input_ids"])
-        ids += item["input_ids"]
-        labels += [IGNORE_INDEX] + item["labels"][1:]  # never predict a document from the previous one
-        positions += list(range(n))
-    as_row = lambda values: torch.tensor([values], dtype=torch.long)
-    labels_row = as_row(labels)
-    return {
-        "input_ids": as_row(ids),
-        "labels": labels_row,
-        "position_ids": as_row(positions),
-        "target_rows": target_rows(labels_row),
-    }
+    # the first token of each document is unlabelled: never predict a document from the previous one
+    labels_row = pack_sequences([[IGNORE_INDEX, *item["labels"][1:]] for item in items])["input_ids"]
+    packed = pack_sequences([item["input_ids"] for item in items])
+    return {**packed, "labels": labels_row, "target_rows": target_rows(labels_row)}
 
 
 def target_rows(labels: torch.Tensor) -> torch.Tensor:

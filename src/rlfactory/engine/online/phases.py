@@ -248,8 +248,7 @@ def reference_logprobs(run: Run, batch: RolloutBatch) -> None:
         return
     temperature, micro = run.cfg.rollout.temperature, run.cfg.train.per_device_batch_size
     with run.timer("ref"), run.reference.weights(batch.input_ids.device) as model:
-        forward = lambda rows, width: ops.policy_forward(model, batch, rows, temperature, width=width)[0]
-        batch.ref_logprobs = ops.full_pass(forward, batch, micro)
+        batch.ref_logprobs = ops.logprob_pass(model, batch, temperature, micro, run.actor.packing)
 
 
 def old_logprobs(run: Run, batch: RolloutBatch) -> None:
@@ -261,8 +260,7 @@ def old_logprobs(run: Run, batch: RolloutBatch) -> None:
     policy = run.accelerator.unwrap_model(run.actor.model)
     temperature, micro = run.cfg.rollout.temperature, run.cfg.train.per_device_batch_size
     with run.timer("old_logprob"):
-        forward = lambda rows, width: ops.policy_forward(policy, batch, rows, temperature, width=width)[0]
-        batch.old_logprobs = ops.full_pass(forward, batch, micro)
+        batch.old_logprobs = ops.logprob_pass(policy, batch, temperature, micro, run.actor.packing)
 
 
 def critic_values(run: Run, batch: RolloutBatch) -> None:
@@ -271,8 +269,8 @@ def critic_values(run: Run, batch: RolloutBatch) -> None:
         return
     critic = run.accelerator.unwrap_model(run.critic.model)  # no gradient: past DDP, as the other passes
     with run.timer("values"):
-        forward = lambda rows, width: ops.value_forward(critic, batch, rows, width)
-        batch.values = ops.full_pass(forward, batch, run.cfg.train.per_device_batch_size)
+        forward = lambda rows, width, packed: ops.value_forward(critic, batch, rows, width, packed)
+        batch.values = ops.full_pass(forward, batch, run.cfg.train.per_device_batch_size, run.critic.packing)
 
 
 def compute_advantages(run: Run, batch: RolloutBatch) -> tuple[dict[str, float], list[float]]:

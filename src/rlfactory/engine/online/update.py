@@ -57,6 +57,68 @@ def _to_full_width(values: torch.Tensor, batch: Batch, rows: torch.Tensor) -> to
     return F.pad(values, (0, batch.responses.shape[1] - values.shape[1]))
 
 
+@dataclass(frozen=True)
+class PackedRows:
+    """A micro-batch as ONE padding-free row (``rollout.packing``; the contract is ``data.packing``'s module doc):
+    each sample's prompt + response back to back, position ids restarting at 0, no attention mask, so the forward
+    costs the micro-batch's real tokens only. Built on the host from the rows' lengths (no device sync)."""
+
+    gather: torch.Tensor  # (N,) flat indices into input_ids[rows] (b x (P+R)) of every real token, row by row
+    position_ids: torch.Tensor  # (1, N) restarting at each sample
+    keep: torch.Tensor  # (K,) positions of the packed row that predict a response token (K = sum of responses)
+    place: torch.Tensor  # (K,) where each of them goes in the (b, width) response layout, flattened
+    rows: int  # b
+    width: int  # the micro-batch's longest response (>= 1)
+
+    @classmethod
+    def build(cls, prompt: list[int], response: list[int], width_p: int, width_r: int) -> PackedRows:
+        """``prompt`` / ``response``: the rows' lengths; ``width_p`` / ``width_r``: the batch's prompt and response
+        columns (prompts are left-padded to ``width_p``, responses right-padded)."""
+        from rlfactory.data.packing import document_positions
+
+        gather, keep, place, start = [], [], [], 0
+        width = max(1, *response) if response else 1
+        for row, (n_p, n_r) in enumerate(zip(prompt, response, strict=True)):
+            first = row * (width_p + width_r) + width_p - n_p
+            gather.append(torch.arange(first, first + n_p + n_r))
+            keep.append(torch.arange(start + n_p - 1, start + n_p + n_r - 1))  # position t predicts token t + 1
+            place.append(torch.arange(row * width, row * width + n_r))
+            start += n_p + n_r
+        lengths = [n_p + n_r for n_p, n_r in zip(prompt, response, strict=True)]
+        cat = lambda parts: torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+        return cls(cat(gather), document_positions(lengths)[None], cat(keep), cat(place), len(prompt), width)
+
+    def to(self, device: torch.device | str) -> PackedRows:
+        pinned = lambda t: (t.pin_memory() if torch.device(device).type == "cuda" else t).to(device, non_blocking=True)
+        return PackedRows(
+            pinned(self.gather), pinned(self.position_ids), pinned(self.keep), pinned(self.place), self.rows, self.width
+        )
+
+    def inputs(self, batch: Batch, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The packed row's model inputs (no attention mask: the position ids separate the samples)."""
+        return {"input_ids": batch.input_ids[rows].reshape(-1)[self.gather][None], "position_ids": self.position_ids}
+
+    def scatter(self, values: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """(K,) per response token -> (b, R) in the batch's response layout, zeros elsewhere (differentiable)."""
+        out = values.new_zeros(self.rows * self.width).index_put((self.place,), values)
+        return F.pad(out.view(self.rows, self.width), (0, batch.responses.shape[1] - self.width))
+
+
+def host_lengths(batch: Batch) -> tuple[list[int], list[int]]:
+    """Each row's prompt and response length, read from the device once (one sync per pass, not per micro-batch)."""
+    width_p = batch.input_ids.shape[1] - batch.responses.shape[1]
+    prompt, response = torch.stack([batch.attention_mask[:, :width_p].sum(-1), batch.response_length.long()]).tolist()
+    return prompt, response
+
+
+def packed_micro_batch(batch: Batch, prompt: list[int], response: list[int], rows: list[int]) -> PackedRows:
+    """The micro-batch ``rows`` (host-side indices; ``prompt`` / ``response``: every row's lengths), packed, on the
+    batch's device."""
+    width_r = batch.responses.shape[1]
+    lengths = [prompt[i] for i in rows], [response[i] for i in rows]
+    return PackedRows.build(*lengths, batch.input_ids.shape[1] - width_r, width_r).to(batch.responses.device)
+
+
 def policy_forward(
     model: Any,
     batch: Batch,
@@ -64,27 +126,44 @@ def policy_forward(
     temperature: float = 1.0,
     entropy: str = "none",
     width: int | None = None,
+    packed: PackedRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (b, R) of the sampled response tokens under ``model`` at the sampling temperature.
 
-    ``entropy``: ``none``, ``metric`` (computed without gradient) or ``loss`` (with gradient).
+    ``entropy``: ``none``, ``metric`` (computed without gradient) or ``loss`` (with gradient). ``packed``: the rows
+    as one padding-free row (the same numbers, computed on real tokens only).
     """
-    inputs, width_r = _trimmed(batch, rows, width)
-    # logits only for the positions that predict response tokens: prompt positions are never computed
-    logits = model(**inputs, use_cache=False, logits_to_keep=width_r + 1).logits[:, :-1]
+    if packed is not None:
+        inputs = packed.inputs(batch, rows)
+        # logits only at the positions that predict response tokens; the token each predicts is the next one
+        logits = model(**inputs, use_cache=False, logits_to_keep=packed.keep).logits
+        targets = inputs["input_ids"][:, packed.keep + 1]
+        width_r = packed.width
+    else:
+        inputs, width_r = _trimmed(batch, rows, width)
+        # logits only for the positions that predict response tokens: prompt positions are never computed
+        logits = model(**inputs, use_cache=False, logits_to_keep=width_r + 1).logits[:, :-1]
+        targets = batch.responses[rows, :width_r]
     if temperature != 1.0:
         logits = logits / temperature
-    logprobs = token_logprobs(logits, batch.responses[rows, :width_r])
+    logprobs = token_logprobs(logits, targets)
+    if packed is not None:
+        place = lambda values: packed.scatter(values[0], batch)
+    else:
+        place = lambda values: _to_full_width(values, batch, rows)
     ent = None
     if entropy != "none":
         with torch.set_grad_enabled(entropy == "loss" and torch.is_grad_enabled()):
-            ent = entropy_from_logits(logits if entropy == "loss" else logits.detach())
-            ent = _to_full_width(ent, batch, rows)
-    return _to_full_width(logprobs, batch, rows), ent
+            ent = place(entropy_from_logits(logits if entropy == "loss" else logits.detach()))
+    return place(logprobs), ent
 
 
-def value_forward(critic: Any, batch: Batch, rows: torch.Tensor, width: int | None = None) -> torch.Tensor:
+def value_forward(
+    critic: Any, batch: Batch, rows: torch.Tensor, width: int | None = None, packed: PackedRows | None = None
+) -> torch.Tensor:
     """Critic values (b, R): V at the state *before* each response token (the position that predicts it)."""
+    if packed is not None:
+        return packed.scatter(critic(**packed.inputs(batch, rows), attention_mask=None)[0, packed.keep], batch)
     inputs, width_r = _trimmed(batch, rows, width)
     return _to_full_width(response_logits(critic(**inputs), width_r), batch, rows)
 
@@ -94,17 +173,23 @@ def micro_batches(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def full_pass(fn: Callable[[torch.Tensor, int], torch.Tensor], batch: Batch, size: int) -> torch.Tensor:
-    """``fn(rows, width) -> (b, R)`` over the whole batch in micro-batches (no gradient); ``width`` is the
-    micro-batch's longest response, read from the host once for the whole pass."""
-    lengths = batch.response_length.long().tolist()
+def full_pass(fn: Callable[..., torch.Tensor], batch: Batch, size: int, packing: bool = False) -> torch.Tensor:
+    """``fn(rows, width, packed) -> (b, R)`` over the whole batch in micro-batches (no gradient); ``width`` is the
+    micro-batch's longest response, read from the host once for the whole pass; ``packed`` its padding-free row
+    (``packing``) or None."""
+    prompt, lengths = host_lengths(batch) if packing else ([], batch.response_length.long().tolist())
     rows = torch.arange(len(lengths), device=batch.responses.device)
-    return torch.cat(
-        [
-            fn(chunk, max(lengths[i : i + size])).float()
-            for i, chunk in zip(range(0, len(lengths), size), micro_batches(rows, size), strict=True)
-        ]
-    )
+    out = []
+    for i, chunk in zip(range(0, len(lengths), size), micro_batches(rows, size), strict=True):
+        packed = packed_micro_batch(batch, prompt, lengths, list(range(i, i + len(chunk)))) if packing else None
+        out.append(fn(chunk, max(lengths[i : i + size]), packed).float())
+    return torch.cat(out)
+
+
+def logprob_pass(model: Any, batch: Batch, temperature: float, size: int, packing: bool) -> torch.Tensor:
+    """(B, R) log-probs of every row's response under ``model``, without gradient (the reference and pi_old)."""
+    forward = lambda rows, width, packed: policy_forward(model, batch, rows, temperature, "none", width, packed)[0]
+    return full_pass(forward, batch, size, packing)
 
 
 def token_rewards(batch: Batch, kl_penalty: torch.Tensor | None, kl_coef: float) -> torch.Tensor:
@@ -191,14 +276,15 @@ class UpdateResult:
     logprobs: torch.Tensor | None = None  # (B, R) trainer log-probs of each row as first seen (NaN: never seen)
 
 
-LossFn = Callable[[torch.Tensor, torch.Tensor, MiniBatch, int], LossPart]  # (rows, pos, mini, width)
+LossFn = Callable[..., LossPart]  # (rows, pos, mini, width, packed)
 
 
 class Updater:
     """One trained model: its optimizer steps over the mini-batch epochs of a rollout batch.
 
-    ``loss_fn(rows, pos, mini, width) -> LossPart``: ``rows`` index the batch, ``pos`` the micro-batch's places
-    among this rank's rows of the :class:`MiniBatch` ``mini``, ``width`` is the micro-batch's longest response.
+    ``loss_fn(rows, pos, mini, width, packed) -> LossPart``: ``rows`` index the batch, ``pos`` the micro-batch's
+    places among this rank's rows of the :class:`MiniBatch` ``mini``, ``width`` is the micro-batch's longest
+    response, ``packed`` the micro-batch as one padding-free row when ``packing`` is on (else None).
 
     On several processes each rank runs this on its own equal share of the rows: it shuffles its share (its own
     RNG, restored per rank on resume) and its k-th chunk is its part of mini-batch k, so a mini-batch is the union
@@ -221,6 +307,7 @@ class Updater:
         self.max_grad_norm = max_grad_norm
         self.ranks = ranks
         self.guard: NonFiniteGuard | None = None  # the run's: a non-finite loss or gradient skips or stops
+        self.packing = False  # micro-batches as padding-free rows (``rollout.packing``, decided by the loop)
 
     def _mini_batch(self, mask: torch.Tensor, rows: torch.Tensor) -> MiniBatch:
         if self.ranks is None or not self.ranks.many:
@@ -245,10 +332,10 @@ class Updater:
         world = 1 if self.ranks is None else self.ranks.world
         # row order, lengths and which mini-batches have tokens live on the host: every micro-batch's shape is
         # known without asking the GPU, so the CPU queues micro-batches back to back (one sync per call)
-        lengths = batch.response_length.long().cpu()
+        prompt, response = host_lengths(batch) if self.packing else ([], batch.response_length.long().tolist())
         has_tokens = (mask.sum(-1) > 0).cpu()
         for _ in range(alg.ppo_epochs):
-            order = torch.randperm(len(lengths))
+            order = torch.randperm(len(response))
             order_on_device = (order.pin_memory() if device.type == "cuda" else order).to(device, non_blocking=True)
             minis = list(
                 zip(
@@ -269,12 +356,14 @@ class Updater:
                 starts = range(0, len(mini_host), micro)
                 for start in starts:
                     pos = torch.arange(start, min(start + micro, len(mini_host)), device=device)
-                    width = int(lengths[mini_host[start : start + micro]].max())
+                    host_rows = mini_host[start : start + micro].tolist()
+                    width = max(response[i] for i in host_rows)
+                    packed = packed_micro_batch(batch, prompt, response, host_rows) if self.packing else None
                     rows = mini_rows[pos]
                     last = start == starts[-1]
                     with nullcontext() if last or world == 1 else self.accelerator.no_sync(self.model):
                         with autocast_forward(self.accelerator, self.model):
-                            part = loss_fn(rows, pos, mini_batch, width)
+                            part = loss_fn(rows, pos, mini_batch, width, packed)
                         # x world: DDP averages the ranks' gradients, the parts of a mini-batch aggregate add up
                         self.accelerator.backward(part.loss if world == 1 else part.loss * world)
                     mini_loss += part.loss.detach().float()
@@ -342,9 +431,15 @@ def actor_loss_fn(
     loss_cfg["clip_c"] = alg.clip_c
     assert batch.advantages is not None
 
-    def loss_fn(rows: torch.Tensor, pos: torch.Tensor, mini: MiniBatch, width: int | None = None) -> LossPart:
+    def loss_fn(
+        rows: torch.Tensor,
+        pos: torch.Tensor,
+        mini: MiniBatch,
+        width: int | None = None,
+        packed: PackedRows | None = None,
+    ) -> LossPart:
         entropy_mode = "loss" if alg.entropy_coef > 0 else "metric"
-        logprobs, entropy = policy_forward(model, batch, rows, temperature, entropy_mode, width)
+        logprobs, entropy = policy_forward(model, batch, rows, temperature, entropy_mode, width, packed)
         # one update per rollout batch: the old policy IS the current one, so no extra forward was spent
         old = batch.old_logprobs[rows] if batch.old_logprobs is not None else logprobs.detach()
         mask = batch.loss_mask[rows]
@@ -381,8 +476,14 @@ def critic_loss_fn(critic: Any, batch: Batch, alg: AlgorithmConfig, max_len: int
     agg = LOSS_AGG.get(alg.loss_agg)
     assert batch.values is not None and batch.returns is not None
 
-    def loss_fn(rows: torch.Tensor, pos: torch.Tensor, mini: MiniBatch, width: int | None = None) -> LossPart:
-        values = value_forward(critic, batch, rows, width)
+    def loss_fn(
+        rows: torch.Tensor,
+        pos: torch.Tensor,
+        mini: MiniBatch,
+        width: int | None = None,
+        packed: PackedRows | None = None,
+    ) -> LossPart:
+        values = value_forward(critic, batch, rows, width, packed)
         mask = batch.response_mask[rows]
         per_token, metrics = value_loss(
             values, batch.values[rows], batch.returns[rows], mask, clip_range=alg.value_clip

@@ -1,0 +1,71 @@
+"""The benches' own plumbing that runs before any GPU does (the benches themselves run on the GPU machine): a case
+past its timeout is reported, not a crash; the variable-length variant's requests and draw."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field, replace
+
+import pytest
+from tests.conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(ROOT / "bench"))  # rollout_bench imports train_bench as the bench scripts do
+    try:
+        import rollout_bench
+
+        yield rollout_bench
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+
+def test_a_case_past_its_timeout_is_reported_with_its_output(bench):
+    """subprocess hands a timed-out child's output back as bytes even with text=True (the crash was
+    ``TypeError: can't concat str to bytes``): it comes back as text, with exit -9 and TIMEOUT."""
+    child = "import sys, time; print('RESULT partial', flush=True); print('warn', file=sys.stderr, flush=True); "
+    child += "time.sleep(30)"
+    stdout, stderr, code = bench.run_case([sys.executable, "-c", child], timeout=3)
+    assert (stdout, code) == ("RESULT partial\n", -9)
+    assert stderr.startswith("warn") and stderr.endswith("\nTIMEOUT")
+    silent = bench.run_case([sys.executable, "-c", "import time; time.sleep(30)"], timeout=1)
+    assert silent == ("", "\nTIMEOUT", -9)
+    assert bench.run_case([sys.executable, "-c", "print('ok')"], timeout=30) == ("ok\n", "", 0)
+
+
+@dataclass
+class Params:  # the two fields of vllm.SamplingParams the variant touches, and its clone()
+    n: int
+    max_tokens: int
+
+    def clone(self):
+        return replace(self)
+
+
+@dataclass
+class Sample:
+    text: str
+    index: int = 0
+
+
+@dataclass
+class Output:
+    outputs: list = field(default_factory=list)
+
+
+def test_variable_lengths_one_draw_per_sample_in_order_for_both_sides(bench):
+    """Ours asks for a group as one request of n samples, TRL for n requests of one sample: both become the same
+    requests with the same drawn budgets, and ours gets its groups back in order."""
+    ours = bench.expand_requests(["a", "b"], [Params(3, 1024), Params(3, 1024)], bench.draw_max_tokens(32, 1024, 0))
+    trl = bench.expand_requests(list("aaabbb"), [Params(1, 1024)] * 6, bench.draw_max_tokens(32, 1024, 0))
+    assert ours[0] == trl[0] == list("aaabbb") and ours[2] == [3, 3] and trl[2] == [1] * 6
+    budgets = [p.max_tokens for p in ours[1]]
+    assert budgets == [p.max_tokens for p in trl[1]] and all(p.n == 1 for p in ours[1])
+    assert all(32 <= b <= 1024 for b in budgets) and len(set(budgets)) == 6
+    outputs = [Output([Sample(f"{p}{i}")]) for i, p in enumerate(ours[0])]
+    merged = bench.merge_outputs(outputs, ours[2])
+    assert [[(s.text, s.index) for s in out.outputs] for out in merged] == [
+        [("a0", 0), ("a1", 1), ("a2", 2)],
+        [("b3", 0), ("b4", 1), ("b5", 2)],
+    ]
