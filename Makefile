@@ -68,7 +68,7 @@ test-fast: $(STAMP)
 # one small KV cache (GiB) per engine; passive OpenMP threads on a shared 2-core machine
 test-vllm: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 OMP_WAIT_POLICY=PASSIVE $(VLLM_BIN)/python -m pytest -q -m vllm \
-		tests/test_vllm_backend.py tests/test_vllm_serve.py
+		tests/test_vllm_backend.py tests/test_vllm_serve.py tests/test_vllm_eval.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests scripts

@@ -1,4 +1,5 @@
-"""docker/: checked statically (no container builder can run here: see docker/README.md).
+"""docker/: checked statically on every run (building an image takes minutes and a container builder; the CPU
+image was built and run once with buildah: docker/README.md).
 
 - Each Dockerfile parses with BuildKit's own parser (the `dockerfile` package wraps it), and installs only through
   make targets that CI's `make test` builds: `make -n` of the image's call (with its variables) shows those

@@ -169,7 +169,7 @@ def test_vllm_backend_without_vllm_is_a_clear_error(tmp_path: Path, capsys):
     from rlfactory.cli import main
 
     if importlib.util.find_spec("vllm") is not None:
-        pytest.skip("vllm is installed here: the backend is exercised by the GPU suite")
+        pytest.skip("vllm is installed here: tests/test_vllm_eval.py runs the command on it")
     options = ["--dataset", "arith_tool_prompts_test", "--backend", "vllm", "--out", str(tmp_path / "eval")]
     assert main(["eval", str(TOOL_MODEL), *options]) == 2
     assert "--backend vllm needs the 'vllm' package" in capsys.readouterr().err

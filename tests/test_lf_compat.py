@@ -333,13 +333,15 @@ def test_ppo_batches_and_kl(tmp_path: Path):
 
 def test_refused_and_unknown_keys_are_named(tmp_path: Path):
     raw = lf_yaml(
-        "dpo", "dpo_en_demo", tmp_path / "out", pref_loss="kto_pair", quantization_bit=4, use_dora=True, lora_rnk=4
-    )
+        "dpo", "dpo_en_demo", tmp_path / "out", pref_loss="kto_pair", quantization_bit=4, quantization_method="hqq",
+        loraplus_lr_ratio=16.0, lora_rnk=4,
+    )  # fmt: skip
     with pytest.raises(UserError) as err:
         llamafactory.convert(raw)
     msg = str(err.value)
     assert "pref_loss: kto_pair (paired KTO) is not supported; use `stage: kto`" in msg
-    assert "quantization_bit: QLoRA is not supported yet" in msg and "use_dora: DoRA is not supported" in msg
+    assert "quantization_method: 'hqq' is not supported; only bitsandbytes (bnb)" in msg
+    assert "loraplus_lr_ratio: LoRA+ is not supported" in msg
     assert "lora_rnk: not a key rlfactory can read from a LLaMA-Factory file (did you mean 'lora_rank'?)" in msg
     pt = lf_yaml("pt", "c4_demo", tmp_path / "out")
     if "pt" in llamafactory.STAGES:
@@ -347,6 +349,53 @@ def test_refused_and_unknown_keys_are_named(tmp_path: Path):
     else:
         with pytest.raises(UserError, match="stage: pt .* is not available in this version"):
             llamafactory.convert(pt)
+
+
+def test_peft_methods_and_qlora_keys_map_and_validate(tmp_path: Path):
+    """LLaMA-Factory's DoRA / rsLoRA / PiSSA / bitsandbytes keys (finetuning_args.py, model_args.py) -> our `lora:` and
+    `model.quantization`, and the converted file validates; LLaMA-Factory's 4-bit compute dtype follows fp16."""
+    qlora = {
+        "use_dora": True, "use_rslora": True, "quantization_bit": 4, "quantization_method": "bnb",
+        "quantization_type": "fp4", "double_quantization": False,
+    }  # fmt: skip
+    raw = lf_yaml("sft", "identity", tmp_path / "out", **qlora) | {"bf16": False, "fp16": True}
+    cfg = load_config(write(tmp_path / "qlora.yaml", raw))
+    assert (cfg.lora.use_dora, cfg.lora.use_rslora, cfg.lora.init_lora_weights) == (True, True, True)
+    assert cfg.model.quantization.model_dump() == {
+        "bits": 4, "quant_type": "fp4", "double_quant": False, "compute_dtype": "float16"
+    }  # fmt: skip
+    # 8 bits: LLaMA-Factory ignores the 4-bit keys (its double_quantization default is true), so do we
+    eight = lf_yaml("dpo", "dpo_en_demo", tmp_path / "out", quantization_bit=8, double_quantization=True)
+    assert load_config(write(tmp_path / "eight.yaml", eight)).model.quantization.model_dump() == {
+        "bits": 8, "quant_type": "nf4", "double_quant": True, "compute_dtype": "bfloat16"
+    }  # fmt: skip
+    for iters, init in ((None, "pissa_niter_16"), (4, "pissa_niter_4"), (-1, "pissa")):
+        keys = {"pissa_init": True, "pissa_convert": True} | ({} if iters is None else {"pissa_iter": iters})
+        conv = llamafactory.convert(lf_yaml("sft", "identity", tmp_path / "out", **keys))
+        assert conv.out["lora"]["init_lora_weights"] == init
+        assert any("always saves the converted adapter" in note for note in conv.ignored)
+        path = write(tmp_path / "pissa.yaml", lf_yaml("sft", "identity", tmp_path / "out", **keys))
+        assert load_config(path).lora.init_lora_weights == init
+    keys = {"pissa_iter": 4, "use_dora": False, "quantization_bit": None}
+    off = llamafactory.convert(lf_yaml("sft", "identity", tmp_path / "out", **keys))
+    assert "model" not in off.out or "quantization" not in off.out["model"]
+    assert off.out["lora"]["use_dora"] is False and "init_lora_weights" not in off.out["lora"]
+    assert "pissa_iter (pissa_init is off)" in off.ignored
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ({"quantization_bit": 3}, "quantization_bit: 3: bitsandbytes quantizes to 4 or 8 bits"),
+        ({"pissa_init": True, "pissa_iter": -2}, "pissa_iter: -2: give the fast-SVD steps"),
+        ({"quantization_bit": 4, "pissa_init": True}, "model.quantization <- quantization_bit"),  # peft: no PiSSA there
+        ({"quantization_bit": 4, "finetuning_type": "full"}, "cannot be trained with finetuning: full"),
+    ],
+)
+def test_peft_and_qlora_keys_that_cannot_work_are_refused(tmp_path: Path, keys: dict, message: str):
+    with pytest.raises(UserError) as err:
+        load_config(write(tmp_path / "bad.yaml", lf_yaml("sft", "identity", tmp_path / "out", **keys)))
+    assert message in str(err.value)
 
 
 def test_validation_errors_name_the_llamafactory_key(tmp_path: Path):
@@ -476,12 +525,12 @@ def test_hub_and_script_entries_load_through_datasets(tmp_path: Path):
 
 
 def test_train_refuses_with_one_clear_message(tmp_path: Path, lf_data: Path):
-    raw = lf_yaml("sft", "identity", tmp_path / "out", dataset_dir=str(lf_data), quantization_bit=4, use_galore=True)
+    raw = lf_yaml("sft", "identity", tmp_path / "out", dataset_dir=str(lf_data), quantization_bit=3, use_galore=True)
     expect_train_error(
         tmp_path,
         raw | {"model_name_or_path": str(TINY_MODEL)},
         "LLaMA-Factory keys that rlfactory cannot honour",
-        "quantization_bit: QLoRA is not supported yet",
+        "quantization_bit: 3: bitsandbytes quantizes to 4 or 8 bits",
         "use_galore: GaLore is not supported",
     )
 

@@ -81,6 +81,8 @@ def _vllm(lora: dict, sync: str, **model) -> dict:
          "converting the adapter back to the original base at save needs it whole"),
         ({**BASE_RUN, "stage": "sft", "model": {"name_or_path": "m", "quantization": {}},
           "distributed": {"strategy": "zero3"}}, "bitsandbytes weights are not sharded here"),
+        ({**BASE_RUN, "stage": "sft", "model": {"name_or_path": "m", "quantization": {}},
+          "lora": {"init_lora_weights": "pissa_niter_4"}}, "pissa_niter_4 with model.quantization: the initialis"),
     ],
 )
 def test_combinations_that_cannot_work_are_refused(cfg, message):

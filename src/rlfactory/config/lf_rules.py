@@ -301,3 +301,107 @@ def eval_steps_rule(conv: Conversion, key: str, value: Any, raw: dict[str, Any])
 
 
 eval_steps_rule.__doc__ = "with `eval_strategy: steps` -> `train.eval_steps`; else ignored, as in transformers"
+
+
+# ------------------------------------------------------------------------------------ PEFT methods and QLoRA
+def pissa_init_rule(conv: Conversion, key: str, value: Any, raw: dict[str, Any]) -> None:
+    # LLaMA-Factory's pissa_iter fast-SVD steps (default 16; -1: the full SVD) become peft's own name
+    if not value:
+        conv.ignored.append(f"{key} (false is the default)")
+        return
+    steps = raw.get("pissa_iter", 16)
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < -1:
+        conv.refused.append(f"pissa_iter: {steps!r}: give the fast-SVD steps (N >= 0) or -1 for the full SVD")
+        return
+    init = "pissa" if steps == -1 else f"pissa_niter_{steps}"
+    conv.set("lora.init_lora_weights", init, key)
+    conv.mapped.append(f"{key} -> lora.init_lora_weights: {init}")
+
+
+pissa_init_rule.__doc__ = (
+    "true -> `lora.init_lora_weights: pissa_niter_N` (N = pissa_iter, default 16; pissa_iter -1: `pissa`)"
+)
+
+
+def pissa_iter_rule(conv: Conversion, key: str, value: Any, raw: dict[str, Any]) -> None:
+    if raw.get("pissa_init"):
+        conv.mapped.append(f"{key} -> lora.init_lora_weights (with pissa_init)")  # set by pissa_init_rule
+    else:
+        conv.ignored.append(f"{key} (pissa_init is off)")
+
+
+pissa_iter_rule.__doc__ = "with `pissa_init`: the N of `pissa_niter_N` (-1: `pissa`); else ignored"
+
+
+def pissa_convert_rule(conv: Conversion, key: str, value: Any, raw: dict[str, Any]) -> None:
+    if value:
+        conv.ignored.append(
+            f"{key} (rlfactory always saves the converted adapter: a plain LoRA of rank 2r on the original base, "
+            "what LLaMA-Factory writes to pissa_converted/)"
+        )
+    elif raw.get("pissa_init"):
+        conv.ignored.append(
+            f"{key} (false: the saved adapter is converted all the same, a plain LoRA of rank 2r on the original "
+            "base; the unconverted PiSSA adapter works only on the residual base, which neither tool saves)"
+        )
+    else:
+        conv.ignored.append(f"{key} (false is the default)")
+
+
+pissa_convert_rule.__doc__ = (
+    "ignored: the saved PiSSA adapter is always converted to a plain LoRA of the original base (rank 2r)"
+)
+
+
+def _bits(raw: dict[str, Any]) -> Any:
+    return raw.get("quantization_bit")
+
+
+def quantization_bit_rule(conv: Conversion, key: str, value: Any, raw: dict[str, Any]) -> None:
+    # LLaMA-Factory's 4-bit compute dtype follows bf16 / fp16 (fp16: float16; otherwise our bfloat16)
+    if value is None:
+        conv.ignored.append(f"{key} (null is the default: no quantization)")
+        return
+    if value not in (4, 8):
+        conv.refused.append(f"{key}: {value!r}: bitsandbytes quantizes to 4 or 8 bits")
+        return
+    conv.set("model.quantization.bits", value, key)
+    conv.sources["model.quantization"] = key  # validation errors name the section
+    conv.mapped.append(f"{key} -> model.quantization.bits")
+    if value == 4 and raw.get("fp16") and not (raw.get("bf16") or raw.get("pure_bf16")):
+        conv.set("model.quantization.compute_dtype", "float16", "fp16")
+        conv.mapped.append("fp16 -> model.quantization.compute_dtype: float16")
+
+
+quantization_bit_rule.__doc__ = (
+    "4 or 8 -> `model.quantization.bits` (QLoRA; with fp16: `compute_dtype: float16`); other bit widths refused"
+)
+
+
+def quantization_method_rule(conv: Conversion, key: str, value: Any, raw: dict[str, Any]) -> None:
+    if _bits(raw) is None:
+        conv.ignored.append(f"{key} (no quantization_bit: no effect)")
+    elif value == "bnb":
+        conv.mapped.append(f"{key} bnb -> model.quantization (bitsandbytes)")
+    else:
+        conv.refused.append(
+            f"{key}: {value!r} is not supported; only bitsandbytes (bnb) quantizes on the fly here (a model already "
+            "quantized with GPTQ/AWQ cannot be trained with LoRA here either)"
+        )
+
+
+quantization_method_rule.__doc__ = "bnb: the method of `model.quantization`; others refused (with quantization_bit)"
+
+
+def four_bit_key(dotted: str) -> Rule:
+    """A 4-bit setting of bitsandbytes: mapped with ``quantization_bit: 4``; LLaMA-Factory ignores it otherwise."""
+
+    def rule(conv: Conversion, key: str, value: Any, raw: dict[str, Any]) -> None:
+        if _bits(raw) == 4:
+            conv.set(dotted, value, key)
+            conv.mapped.append(f"{key} -> {dotted}")
+        else:
+            conv.ignored.append(f"{key} (used with quantization_bit: 4 only)")
+
+    rule.__doc__ = f"with `quantization_bit: 4` -> `{dotted}`; else ignored"
+    return rule

@@ -12,6 +12,7 @@ share it through ``loader.resolve_raw``.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from rlfactory.config import lf_rules as rules
@@ -60,9 +61,11 @@ KEY_RULES: dict[str, Rule] = {
         "for a tokenizer without one set model.template"
     ),
     "tool_format": rules.ignored("tool calls are rendered by the tokenizer's chat template"),
-    "quantization_bit": rules.refused("QLoRA is not supported yet; remove it (LoRA on the unquantized model)"),
-    "quantization_method": rules.refused("QLoRA is not supported yet; remove it"),
-    "double_quantization": rules.off_only("QLoRA is not supported yet; remove it", default=True),
+    "quantization_bit": rules.quantization_bit_rule,
+    "quantization_method": rules.quantization_method_rule,
+    "quantization_type": rules.four_bit_key("model.quantization.quant_type"),
+    "double_quantization": rules.four_bit_key("model.quantization.double_quant"),
+    "quantization_device_map": rules.ignored("inference only (LLaMA-Factory's device map for 4-bit inference)"),
     "rope_scaling": rules.refused("not supported; remove it (the model's own rope settings are used)"),
     "use_unsloth": rules.ignored("speed only; rlfactory uses its own kernels (model.liger_kernel)"),
     "use_unsloth_gc": rules.ignored("speed only"),
@@ -99,10 +102,11 @@ KEY_RULES: dict[str, Rule] = {
         "only whole decoder layers are trained; use freeze_extra_modules for other modules", default="all"
     ),
     "freeze_extra_modules": rules.to("freeze.extra_modules", rules.split_list),
-    "use_dora": rules.off_only("DoRA is not supported; remove it"),
-    "use_rslora": rules.off_only("rsLoRA is not supported; remove it"),
-    "pissa_init": rules.off_only("PiSSA is not supported; remove it"),
-    "pissa_convert": rules.off_only("PiSSA is not supported; remove it"),
+    "use_dora": rules.to("lora.use_dora"),
+    "use_rslora": rules.to("lora.use_rslora"),
+    "pissa_init": rules.pissa_init_rule,
+    "pissa_iter": rules.pissa_iter_rule,
+    "pissa_convert": rules.pissa_convert_rule,
     "loraplus_lr_ratio": rules.refused("LoRA+ is not supported; remove it"),
     "create_new_adapter": rules.ignored("adapters in adapter_name_or_path are merged and a new one is trained"),
     "use_galore": rules.off_only("GaLore is not supported; use finetuning_type lora or freeze"),
@@ -124,11 +128,11 @@ KEY_RULES: dict[str, Rule] = {
     "ld_alpha": rules.refused("LD-DPO is not supported; remove it"),
     "ref_model": rules.ref_model_rule,
     "ref_model_adapters": rules.refused("merge the adapter into the reference model first"),
-    "ref_model_quantization_bit": rules.refused("QLoRA is not supported yet"),
+    "ref_model_quantization_bit": rules.refused("a quantized reference model is not supported; remove it"),
     "reward_model": rules.per_stage({"ppo": "reward.reward_model"}, "the reward model of ppo"),
     "reward_model_type": rules.reward_model_type_rule,
     "reward_model_adapters": rules.refused("give the folder our rm stage wrote as reward_model"),
-    "reward_model_quantization_bit": rules.refused("QLoRA is not supported yet"),
+    "reward_model_quantization_bit": rules.refused("a quantized reward model is not supported; remove it"),
     "ppo_epochs": rules.per_stage({"ppo": "algorithm.ppo_epochs"}, "PPO epochs"),
     "ppo_buffer_size": rules.ppo_buffer_rule,
     "ppo_target": rules.per_stage({"ppo": "algorithm.kl_target"}, "the adaptive KL target"),
@@ -328,7 +332,8 @@ def rule_docs() -> list[tuple[str, str]]:
 
 def explain_error(message: str, conv: Conversion) -> str:
     """Name the LLaMA-Factory key behind each of our keys that a validation error mentions."""
-    behind = [f"{ours} <- {lf}" for ours, lf in conv.sources.items() if f"'{ours}'" in message or f"{ours}:" in message]
+    named = lambda ours: re.search(rf"(?<![\w.]){re.escape(ours)}(?!\w)", message) is not None  # a whole dotted key
+    behind = [f"{ours} <- {lf}" for ours, lf in conv.sources.items() if named(ours)]
     return message + (f"\n(converted from LLaMA-Factory keys: {', '.join(behind)})" if behind else "")
 
 

@@ -679,6 +679,12 @@ class RunConfig(Section):
                 "model.quantization under a sharded strategy (zero3, zero3_offload, fsdp2): bitsandbytes weights are "
                 "not sharded here; use distributed.strategy ddp (each GPU holds the 4-bit base) or remove quantization"
             )
+        if quantized and self.lora.changes_base():  # peft's pissa_init raises on a bitsandbytes weight
+            raise ValueError(
+                f"lora.init_lora_weights: {self.lora.init_lora_weights} with model.quantization: the initialisation "
+                "splits each full-precision weight into adapter and residual, and a 4/8-bit base has none (peft "
+                "refuses PiSSA there; the saved adapter's conversion would read a rounded base); remove one of them"
+            )
         if lora and self.lora.changes_base() and self.sharded():
             raise ValueError(
                 f"lora.init_lora_weights: {self.lora.init_lora_weights} under a sharded strategy (zero3, "

