@@ -20,11 +20,14 @@ import json
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlfactory.config.schema import EvaluationConfig, RunConfig
 from rlfactory.errors import UserError
 from rlfactory.use.source import ModelSource, resolve_source
+
+if TYPE_CHECKING:
+    from rlfactory.rewards.stack import RewardStack
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +102,15 @@ def _source_of(path: str, run: RunConfig | None) -> ModelSource:
     if not Path(path).is_file():
         return resolve_source(path)
     assert run is not None
+    return run_source(run, path)
+
+
+def run_source(run: RunConfig, where: str) -> ModelSource:
+    """The model a run starts from (its model section: base, adapters, template); ``where`` names the run in
+    errors."""
     model = run.model
     if model.name_or_path is None:
-        raise UserError(f"{path}: model.from_stage is set; evaluate the earlier stage's output dir instead")
+        raise UserError(f"{where}: model.from_stage is set; evaluate the earlier stage's output dir instead")
     base = str(model.name_or_path)
     return ModelSource(base, list(model.adapter_paths), model.template, base)
 
@@ -261,8 +270,11 @@ def _rollouts(job: EvalJob, model: Any, tokenizer: Any, longest_prompt: int) -> 
     return agent_rollouts(backend, tokenizer, job.tools, settings, limits, ag.get("env") or "tools", ag.get("env_args"))
 
 
-def evaluate_job(job: EvalJob, prompts: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Load the model, run the evaluation path, and make the report and the per-sample rows."""
+def evaluate_job(
+    job: EvalJob, prompts: list[dict[str, Any]], rewards: RewardStack | None = None
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Load the model, run the evaluation path, and make the report and the per-sample rows; with ``rewards`` (the
+    WebUI's reward test) every row also carries the stack's total and parts."""
     from transformers import set_seed
 
     from rlfactory.engine.evaluate import evaluate, render_eval_prompts
@@ -277,7 +289,7 @@ def evaluate_job(job: EvalJob, prompts: list[dict[str, Any]]) -> tuple[dict[str,
     params = SamplingParams(max_tokens=job.max_new_tokens, temperature=job.temperature, top_p=job.top_p)
     set_seed(job.seed)
     try:
-        result = evaluate(rollouts, tokenizer, rendered, params, job.metric, samples=job.samples)
+        result = evaluate(rollouts, tokenizer, rendered, params, job.metric, samples=job.samples, rewards=rewards)
     finally:
         rollouts.close()
     rows = [sample_row(s) for s in result.scored]
@@ -297,6 +309,7 @@ def sample_row(scored: Any) -> dict[str, Any]:
 
     s = scored.sample
     calls, executed, failed = _tool_counts(s.example)
+    stack = {"reward": scored.reward, "rewards": {**scored.components, **scored.parts}} if scored.components else {}
     return {
         "problem": scored.problem,
         "source": s.example.get("source"),
@@ -307,6 +320,7 @@ def sample_row(scored: Any) -> dict[str, Any]:
         "tool_calls": calls,
         "tool_calls_executed": executed,
         "tool_calls_failed": failed,
+        **stack,
     }
 
 

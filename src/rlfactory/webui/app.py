@@ -1,4 +1,4 @@
-"""The Gradio app: four tabs (Train, Monitor, Chat, Export) and the server launch.
+"""The Gradio app: its tabs (Train, Monitor, Chat, Export, Evaluate) and the server launch.
 
 Paths in the page (examples/, data/, outputs/) are relative to the workspace (the directory the WebUI
 starts in, or ``--workspace``), as for the CLI; the page reads and writes only inside it (``workspace``).
@@ -30,6 +30,7 @@ def build_app() -> Any:
 
     from rlfactory import __version__
     from rlfactory.webui.chat_tab import ChatTab, ExportTab
+    from rlfactory.webui.evaluate_tab import EvaluateTab
     from rlfactory.webui.monitor_tab import MonitorTab
     from rlfactory.webui.train_tab import TrainTab
 
@@ -44,16 +45,19 @@ def build_app() -> Any:
                 chat = ChatTab()
             with gr.Tab("Export", id="export", elem_id="tab-export") as export_page:
                 export = ExportTab()
+            with gr.Tab("Evaluate", id="evaluate", elem_id="tab-evaluate") as evaluate_page:
+                evaluate = EvaluateTab()
         train.wire(tabs, monitor)
         monitor.wire()
         chat.wire()
         export.wire()
+        evaluate.wire()
         # lists of runs are read when a page opens, not when the app was built; a run going on is reattached
         app.load(monitor.on_refresh, None, [monitor.run, monitor.runs])
         app.load(train.on_reattach, None, [*train.inputs, *train.stage_groups.values(), train.message, monitor.run])
         # Chat and Export list runs trained since: when a run's row changes (it finished), on "refresh runs",
         # and when their tab opens
-        for page, tab in ((chat_page, chat), (export_page, export)):
+        for page, tab in ((chat_page, chat), (export_page, export), (evaluate_page, evaluate)):
             app.load(tab.on_refresh, None, tab.path)
             monitor.runs.change(tab.on_refresh, None, tab.path, show_progress="hidden")
             monitor.refresh_btn.click(tab.on_refresh, None, tab.path)

@@ -19,6 +19,18 @@ def model_choices() -> list[str]:
     return bundled + [row["run"] for row in monitor.list_runs()]
 
 
+def model_dropdown(choices: list[str], elem_id: str) -> Any:
+    """A model, adapter or run to use: the first choice picked, any path may be typed (Chat, Evaluate)."""
+    return gr.Dropdown(
+        choices,
+        value=choices[0] if choices else None,
+        allow_custom_value=True,
+        scale=3,
+        label="model dir, LoRA adapter dir or run output dir",
+        elem_id=elem_id,
+    )
+
+
 def _template_dropdown(elem_id: str) -> Any:
     from rlfactory.render.templates import TEMPLATES
 
@@ -31,14 +43,7 @@ class ChatTab:
     def __init__(self) -> None:
         choices = model_choices()
         with gr.Row():
-            self.path = gr.Dropdown(
-                choices,
-                value=choices[0] if choices else None,
-                allow_custom_value=True,
-                scale=3,
-                label="model dir, LoRA adapter dir or run output dir",
-                elem_id="chat-model",
-            )
+            self.path = model_dropdown(choices, "chat-model")
             self.base = gr.Textbox(
                 label="base model (adapters only; blank: from the run)", scale=2, elem_id="chat-base"
             )

@@ -160,6 +160,10 @@ class TrainTab:
                 # a Validate/Start error about one of this section's keys shows here, with the section opened
                 self.field_errors[section.name] = gr.Markdown(visible=False, elem_id=f"error-{section.name or 'run'}")
                 self._rows(rest)
+                if section.name == "reward":  # the reward editor (webui.reward_panel), under the section's fields
+                    from rlfactory.webui.reward_panel import RewardPanel
+
+                    self.reward_panel = RewardPanel(error_md)
             self.accordions[section.name] = acc
             if section.stages:
                 self.stage_groups[section.name] = acc
@@ -329,3 +333,4 @@ class TrainTab:
             lambda *v: self.on_start(monitor, *v), inputs, [*self.check_outputs, tabs, monitor.run, *monitor.outputs()]
         )
         self.stop_btn.click(self.on_stop, self.widgets["output_dir"], self.message)
+        self.reward_panel.wire(self)
