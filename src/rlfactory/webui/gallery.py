@@ -38,15 +38,21 @@ class Example:
 
 
 def title_of(text: str) -> str:
-    """The example's first ``###`` comment line, without the quickstart prefix."""
+    """The example's first sentence of ``###`` comment lines (it may run on to the next one), without the quickstart
+    prefix."""
+    title = ""
     for line in text.splitlines():
-        if line.startswith("###"):
-            title = line.lstrip("#").strip()
-            for prefix in TITLE_PREFIXES:
-                if title.startswith(prefix):
-                    title = ("pipeline" if "pipeline" in prefix else "") + title[len(prefix) :]
-            return title.strip(" :")
-    return ""
+        if not line.startswith("###"):
+            if title:
+                break
+            continue
+        title = f"{title} {line.lstrip('#').strip()}".strip()
+        if title.endswith((".", ":", ")")):
+            break
+    for prefix in TITLE_PREFIXES:
+        if title.startswith(prefix):
+            title = ("pipeline" if "pipeline" in prefix else "") + title[len(prefix) :]
+    return title.strip(" :")
 
 
 def model_problem(name: str) -> str:

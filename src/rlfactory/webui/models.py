@@ -94,9 +94,10 @@ def _json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _is_model_dir(folder: Path) -> bool:
-    """A Hugging Face model folder (config.json naming a model type) that is not a checkpoint or a hidden folder."""
-    hidden = any(part.startswith(".") or part.startswith("checkpoint-") for part in folder.parts)
+def _is_model_dir(folder: Path, shown: str) -> bool:
+    """A Hugging Face model folder (config.json naming a model type) that is not a checkpoint, a hidden folder or
+    inside the hub cache (listed by repo id instead); judged by ``shown``, the path it is listed as."""
+    hidden = any(part.startswith((".", "checkpoint-", "models--")) for part in Path(shown).parts)  # models--: cache
     return not hidden and bool(_json(folder / "config.json").get("model_type"))
 
 
@@ -110,10 +111,10 @@ def local_models(root: Path, extra: Iterable[Path] = ()) -> list[ModelChoice]:
     seen, choices = set(), []
     for folder in folders:
         key = folder.resolve()
-        if key in seen or not _is_model_dir(folder.relative_to(root) if folder.is_relative_to(root) else folder):
+        name = str(folder.relative_to(root)) if folder.is_relative_to(root) else str(folder)
+        if key in seen or not _is_model_dir(folder, name):
             continue
         seen.add(key)
-        name = str(folder.relative_to(root)) if folder.is_relative_to(root) else str(folder)
         choices.append(describe(name, folder, "local"))
         if len(choices) >= MAX_LOCAL:
             break

@@ -69,7 +69,7 @@ def check(raw: dict[str, Any], source: str = "WebUI form") -> tuple[Config, list
     from rlfactory.stages.check import check_config
 
     config = validate_config(raw, source)
-    workspace.writable(config.output_dir, "output_dir")
+    workspace.current().writable(config.output_dir, "output_dir")
     for run in config.stages if isinstance(config, PipelineConfig) else [config]:
         workspace.check_run_paths(run)  # before check_config reads the model and the data
     return config, check_config(config, here=True)
