@@ -1170,3 +1170,34 @@ def test_model_picker_lists_local_and_cached_models_with_their_template(tmp_path
     cached = listed[HUB_MODEL]
     assert (cached.where, cached.template, cached.fill_template) == ("hub cache", "", "chatml")  # model_type qwen2
     assert models.template_label(TEMPLATES["gemma_tools"].jinja) == "gemma_tools"
+
+
+def test_webui_folder_serves_the_same_app_in_gradio_reload_mode(tmp_path: Path):
+    """`gradio webui/app.py` (Gradio's reload mode, run from the checkout) serves the app `rlfactory webui` builds
+    (the Start tab, the form, the picker), with the options after `--` and behind the same guard (403 cross-origin)."""
+    import signal
+
+    pytest.importorskip("gradio", reason="the WebUI needs the webui extra (gradio)")
+    gradio_cli = Path(sys.executable).with_name("gradio")
+    if not gradio_cli.is_file():
+        pytest.skip(f"no gradio command next to {sys.executable}")
+    port = _free_port()
+    command = [str(gradio_cli), "webui/app.py", "--", "--port", str(port), "--workspace", str(tmp_path)]
+    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}
+    env.pop(AUTH_ENV, None)
+    with open(tmp_path / "gradio.log", "w") as log:
+        process = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        _wait_http(url, process)
+        with urllib.request.urlopen(url + "config", timeout=20) as response:
+            config = json.loads(response.read())
+        ids = {component["props"].get("elem_id") for component in config["components"]}
+        assert {"tab-gallery", "gallery-start-pipeline", "btn-start", "model-picker", "monitor-run"} <= ids
+        assert _get(url + "config", {"Origin": "http://evil.example"}) == 403
+        assert "Watching" in (tmp_path / "gradio.log").read_text()  # reload mode is on
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)  # gradio's command and the app it runs
+        process.wait(timeout=20)
