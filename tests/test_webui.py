@@ -1182,7 +1182,9 @@ def test_webui_folder_serves_the_same_app_in_gradio_reload_mode(tmp_path: Path):
     if not gradio_cli.is_file():
         pytest.skip(f"no gradio command next to {sys.executable}")
     port = _free_port()
-    command = [str(gradio_cli), "webui/app.py", "--", "--port", str(port), "--workspace", str(tmp_path)]
+    (tmp_path / "examples").symlink_to(ROOT / "examples")  # the workspace's examples: the Start tab's cards
+    options = ["--port", str(port), "--workspace", str(tmp_path), "--allow-read", str(ROOT / "examples")]
+    command = [str(gradio_cli), "webui/app.py", "--", *options]
     env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}
     env.pop(AUTH_ENV, None)
     with open(tmp_path / "gradio.log", "w") as log:
