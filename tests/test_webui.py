@@ -11,6 +11,7 @@ The browser tests need /usr/bin/chromium (`.ci/run` installs it) and the `webui`
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import socket
@@ -118,16 +119,49 @@ def _serve(workdir: Path, *args: str, env: dict | None = None) -> typing.Iterato
         log.close()
 
 
+HUB_MODEL = "rlfactory-test/tiny-arith-plain"  # the bundled model as a hub model in the cache, without a template
+
+
+def make_hub_cache(cache: Path, repo_id: str, source: Path) -> Path:
+    """A Hugging Face hub cache holding ``source`` as ``repo_id`` at revision main, laid out as huggingface_hub
+    writes it (blobs by hash, snapshot links, refs/main), its tokenizer without a chat template. Returns the
+    snapshot folder."""
+    import hashlib
+
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    commit = hashlib.sha1(repo_id.encode()).hexdigest()
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for file in sorted(source.iterdir()):
+        if file.name in ("chat_template.jinja", "README.md"):
+            continue
+        data = file.read_bytes()
+        if file.name == "tokenizer_config.json":
+            config = json.loads(data)
+            config.pop("chat_template", None)
+            data = json.dumps(config, indent=2).encode()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
+
+
 @pytest.fixture(scope="module")
 def app_url(tmp_path_factory: pytest.TempPathFactory):
     """The WebUI served from a scratch folder (examples/ and data/ linked in, so they resolve outside the
-    workspace: the WebUI is told it may read them with --allow-read)."""
+    workspace: the WebUI is told it may read them with --allow-read), with a hub cache of its own that holds one
+    model (HUB_MODEL)."""
     _browser_stack()
     workdir = tmp_path_factory.mktemp("webui")
     for name in ("examples", "data"):
         (workdir / name).symlink_to(ROOT / name)
+    cache = tmp_path_factory.mktemp("hub")
+    make_hub_cache(cache, HUB_MODEL, TINY_MODEL)
     allow = ["--allow-read", str(ROOT / "examples"), "--allow-read", str(ROOT / "data")]
-    with _serve(workdir, *allow) as url:
+    with _serve(workdir, *allow, env={"HF_HUB_CACHE": str(cache)}) as url:
         yield url, workdir
 
 
@@ -146,6 +180,8 @@ def page(browser, app_url):
     context = browser.new_context(viewport={"width": 1360, "height": 900})
     page = context.new_page()
     page.goto(url)
+    expect(page.locator("#gallery-start-sft")).to_be_visible(timeout=30_000)  # the page opens on Start
+    page.get_by_role("tab", name="Train").click()
     expect(page.locator("#btn-start")).to_be_visible(timeout=30_000)
     yield page
     context.close()
@@ -491,9 +527,10 @@ def test_page_reload_reattaches_to_the_running_job(page, app_url):
     expect(page.locator("#monitor-stop-message")).to_contain_text(f"stopped the run in '{out}'", timeout=60_000)
     expect(page.locator("#monitor-status")).to_contain_text("stopped", timeout=30_000)
     assert not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    page.reload()  # nothing going on: the blank form stays blank
-    expect(page.locator("#btn-start")).to_be_visible(timeout=30_000)
+    page.reload()  # nothing going on: the page opens on Start, and the form is blank
+    expect(page.locator("#gallery-start-sft")).to_be_visible(timeout=30_000)
     page.wait_for_timeout(2000)
+    page.get_by_role("tab", name="Train").click()
     expect(box(page, "field-output_dir")).not_to_have_value(out)
 
 
@@ -591,6 +628,112 @@ def test_monitor_shows_an_rl_run_readably(page, app_url):
         expect(cell).to_be_visible()
         assert cell.bounding_box()["x"] + cell.bounding_box()["width"] <= right + 1, f"{header} is out of view"
     expect(table).to_contain_text("0.354")
+
+
+def test_start_page_offers_the_examples_and_the_picker_fills_the_model(page, app_url):
+    """The page opens on Start: a card per quickstart and the pipeline, the real-model examples marked with the model
+    they need (no cache here holds it); "Open in the form" fills the Train tab; the pipeline in the Load list is
+    pointed to Start (issue 16, item 7). From the blank form, the model picker lists the bundled model with its own
+    template and the cached hub model without one; picking it fills path and template, and Validate passes
+    offline, the model read from the cache."""
+    page.get_by_role("tab", name="Start").click()
+    for key in ("pt", "sft", "rm", "dpo", "kto", "orpo", "grpo", "pipeline"):
+        expect(page.locator(f"#gallery-start-{key}")).to_be_visible()
+    expect(page.locator("#gallery-open-pipeline")).to_have_count(0)  # the form edits one run
+    table = page.locator("#gallery-table")
+    need = table.get_by_role("row").filter(has_text="examples/dpo/qwen2.5_0.5b_lora.yaml")
+    expect(need).to_contain_text("needs Qwen/Qwen2.5-0.5B-Instruct in the Hugging Face cache")
+    expect(table.get_by_role("row").filter(has_text="examples/quickstart/pipeline.yaml")).to_contain_text("sft → grpo")
+    page.locator("#gallery-open-grpo").click()
+    expect(page.locator("#train-message")).to_contain_text("loaded examples/quickstart/grpo.yaml", timeout=30_000)
+    expect(box(page, "field-stage")).to_have_value("grpo")
+    expect(box(page, "field-output_dir")).to_have_value("outputs/quickstart-grpo")
+    choose(page, "load-path", "examples/quickstart/pipeline.yaml")
+    page.locator("#btn-load").click()
+    expect(page.locator("#train-message")).to_contain_text("start it from the Start tab", timeout=30_000)
+
+    page.reload()  # the blank form
+    expect(page.locator("#gallery-start-sft")).to_be_visible(timeout=30_000)
+    page.get_by_role("tab", name="Train").click()
+    options = _options(page, "model-picker")
+    expect(options.filter(has_text="data/models/tiny-arith · local · own chat template: ChatML")).to_have_count(1)
+    hub = options.filter(has_text=f"{HUB_MODEL} · hub cache · no chat template: uses chatml")
+    expect(hub).to_have_count(1)
+    hub.click()
+    expect(box(page, "field-model-name_or_path")).to_have_value(HUB_MODEL, timeout=20_000)
+    expect(box(page, "field-model-template")).to_have_value("chatml")
+    expect(page.locator("#model-picker-note")).to_contain_text(f"{HUB_MODEL} (hub cache) · model.template: chatml")
+    choose(page, "field-stage", "sft")
+    choose(page, "field-data-dataset", "arith_sft")
+    set_field(page, "output_dir", "outputs/picked")
+    page.locator("#btn-validate").click()
+    expect(page.locator("#train-message")).to_contain_text("valid: stage sft", timeout=60_000)
+    expect(page.locator("#yaml-view")).to_contain_text(f"name_or_path: {HUB_MODEL}")
+    expect(page.locator("#yaml-view")).to_contain_text("template: chatml")
+
+
+@pytest.mark.slow
+def test_pipeline_from_the_start_page_to_the_first_chart_point(page, app_url, capsys: pytest.CaptureFixture):
+    """What `make demo` runs, one click from the Start page: ▶ Start launches `rlfactory train` on the pipeline file
+    (no override: each stage prepares its own folder), Monitor follows its first stage; the time from the click to
+    the first chart point is printed (the README's WebUI section states it). Stop ends the whole process tree."""
+    import psutil
+
+    _, workdir = app_url
+    page.get_by_role("tab", name="Start").click()
+    clicked = time.monotonic()
+    page.locator("#gallery-start-pipeline").click()
+    status = page.locator("#monitor-status")
+    expect(status).to_contain_text("outputs/quickstart · ● running", timeout=60_000)
+    expect(page.locator("#chart-0").locator("canvas, svg").first).to_be_visible(timeout=2 * RUN_TIMEOUT_MS)
+    seconds = time.monotonic() - clicked
+    with capsys.disabled():
+        print(f"\nfrom the Start page's click to the first chart point (the make demo pipeline): {seconds:.0f} s")
+    expect(status).to_contain_text("pipeline stage 1/2: outputs/quickstart/sft")
+    expect(page.locator("#monitor-progress")).to_contain_text("ETA")
+    state = run_state(workdir, "outputs/quickstart")
+    run_file = (workdir / "outputs/quickstart/webui_run.yaml").resolve()
+    assert state["command"][2:] == ["rlfactory", "train", str(run_file)]
+    assert "stages" in yaml.safe_load(run_file.read_text())
+    root = psutil.Process(state["pid"])
+    tree = [root, *root.children(recursive=True)]
+    page.locator("#monitor-stop").click()
+    stopped = "stopped the run in 'outputs/quickstart'"
+    expect(page.locator("#monitor-stop-message")).to_contain_text(stopped, timeout=60_000)
+    assert not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.slow
+def test_grpo_from_the_start_page_moves_its_progress_bar(page, app_url):
+    """The GRPO quickstart opened from the Start page, cut to 2 small steps: the progress bar moves (issue 16, item
+    2: step 1/2 with an ETA during the run, 2/2 at the end); on this real run the KL to the reference has its chart
+    (item 8) and the rollouts table shows the question without template tokens, with reward and advantage (item 9)."""
+    page.get_by_role("tab", name="Start").click()
+    page.locator("#gallery-open-grpo").click()
+    expect(box(page, "field-stage")).to_have_value("grpo", timeout=30_000)
+    set_field(page, "output_dir", "outputs/grpo-small")
+    sections = {
+        "rollout": {"rollout.prompts_per_step": 4, "rollout.num_samples": 4},
+        "train": {"train.max_steps": 2},
+        "evaluation": {"evaluation.max_samples": 4},
+        "logging": {"logging.rollout_trace_steps": 1},
+    }
+    for section, values in sections.items():
+        open_section(page, section)
+        for path, value in values.items():
+            set_field(page, path, value)
+    start_run(page)
+    progress = page.locator("#monitor-progress")
+    expect(progress).to_contain_text("step 1/2", timeout=RUN_TIMEOUT_MS)
+    expect(progress).to_contain_text("ETA")
+    expect(page.locator("#monitor-status")).to_contain_text("finished", timeout=RUN_TIMEOUT_MS)
+    expect(progress).to_contain_text("step 2/2")
+    expect(page.locator("[id^=chart-]").filter(has_text="KL to the reference")).to_be_visible()
+    table = page.locator("#monitor-rollouts")
+    expect(table).to_contain_text("reward/answer_match")
+    expect(table).not_to_contain_text("im_start")
+    for header in ("reward", "advantage"):
+        expect(table.locator("th").filter(has_text=header).first).to_be_visible()
 
 
 def test_chat_with_the_tiny_model(page):
@@ -806,13 +949,35 @@ def test_form_round_trip_keeps_every_example(example: str):
 
     raw = read_yaml(ROOT / example)
     if "stages" in raw:
-        pytest.skip("pipelines are run from the CLI")
+        _check_pipeline_example(example, raw)
+        return
     sections = sf.form_sections()
     values, unknown = sf.raw_to_form(sections, raw)
     assert unknown == []
     again = sf.form_to_raw(sections, values)
     assert validate_config(again, "form") == validate_config(raw, example)
     assert len(sf.raw_to_yaml(again).splitlines()) <= len((ROOT / example).read_text().splitlines())
+
+
+def _check_pipeline_example(example: str, raw: dict) -> None:
+    """A pipeline is not a form: the Start page runs the file as `rlfactory train` does (the same validation picks
+    PipelineConfig), the gallery lists it with its stages, and Monitor follows the stage folders the CLI writes."""
+    import tempfile
+
+    from rlfactory.config.loader import load_config
+    from rlfactory.config.schema import PipelineConfig
+    from rlfactory.webui import gallery, monitor, runner
+
+    config = load_config(ROOT / example)
+    assert isinstance(config, PipelineConfig)
+    entry = gallery.read_example(ROOT / example, example)
+    assert entry.pipeline and entry.stages == tuple(run.stage for run in config.stages)
+    with tempfile.TemporaryDirectory() as folder, contextlib.chdir(folder):  # the stage folders: relative to here
+        Path(runner.YAML_NAME).write_text(yaml.safe_dump(raw))
+        assert monitor.pipeline_stages(".") == [Path(run.output_dir) for run in config.stages]
+        assert monitor.stage_dir(".") == Path(config.stages[0].output_dir)  # before any stage started
+        Path(config.stages[1].output_dir).mkdir(parents=True)
+        assert monitor.stage_dir(".") == Path(config.stages[1].output_dir)  # the stage started last
 
 
 def test_preview_highlights_exactly_the_trained_tokens():
@@ -951,3 +1116,90 @@ def test_load_list_offers_quickstarts_first_then_saved_yamls(tmp_path: Path, mon
     quick = [f"examples/quickstart/{s}.yaml" for s in ("pt", "sft", "rm", "dpo", "kto", "orpo", "grpo", "pipeline")]
     assert names[: len(quick) + 2] == [*quick, "saved/quick.yaml", "outputs/webui/mine.yaml"]
     assert "examples/sft/qwen2.5_0.5b_lora.yaml" in names[len(quick) + 2 :] and len(names) == len(set(names))
+
+
+def test_gallery_marks_what_each_example_needs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Quickstarts first (stage order, the pipeline last), each runnable offline; a real-model example needs its model
+    in the hub cache until it is there; a vLLM example needs the package."""
+    from huggingface_hub import constants
+
+    from rlfactory.webui import gallery
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("examples", "data"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    found = {e.path: e for e in gallery.examples()}
+    quick = [e for e in found.values() if e.quickstart]
+    assert [e.key for e in quick] == ["pt", "sft", "rm", "dpo", "kto", "orpo", "grpo", "pipeline"]
+    assert all(e.problem == "" for e in quick) and list(found)[: len(quick)] == [e.path for e in quick]
+    assert found["examples/quickstart/pipeline.yaml"].stages == ("sft", "grpo")
+    assert found["examples/quickstart/pipeline.yaml"].models == ("data/models/tiny-arith",)  # grpo: from_stage
+    real = found["examples/sft/qwen2.5_0.5b_lora.yaml"]
+    assert real.problem.startswith("needs Qwen/Qwen2.5-0.5B-Instruct in the Hugging Face cache (not there;")
+    make_hub_cache(tmp_path / "hub", "Qwen/Qwen2.5-0.5B-Instruct", TINY_MODEL)  # now it is in the cache
+    now = gallery.read_example(ROOT / real.path, real.path).problem
+    assert "Qwen" not in now  # what is left is this machine's (tensorboard for report_to, where it is missing)
+    if importlib.util.find_spec("vllm") is None:
+        assert "needs the vllm package" in found["examples/grpo/tiny_arith_vllm.yaml"].problem
+
+
+def test_model_picker_lists_local_and_cached_models_with_their_template(tmp_path: Path, monkeypatch):
+    """Local model folders (data/models, the workspace, a finished full-model run; not checkpoints) and the cache's
+    models, each with its template: the tokenizer's own recognised, or the named one its family uses."""
+    from huggingface_hub import constants
+
+    from rlfactory.render.templates import TEMPLATES
+    from rlfactory.webui import models
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data/models").symlink_to(ROOT / "data/models")
+    run = tmp_path / "outputs/full-run"
+    (run / "checkpoint-2").mkdir(parents=True)
+    for folder in (run, run / "checkpoint-2"):
+        (folder / "config.json").write_text((TINY_MODEL / "config.json").read_text())
+    (run / "chat_template.jinja").write_text(TEMPLATES["llama3"].jinja)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    make_hub_cache(tmp_path / "hub", HUB_MODEL, TINY_MODEL)
+    listed = {c.name: c for c in models.all_models(tmp_path)}
+    assert list(listed) == ["data/models/tiny-arith", "data/models/tiny-arith-tools", "outputs/full-run", HUB_MODEL]
+    bundled = "data/models/tiny-arith · local · own chat template: ChatML, with tools"
+    assert listed["data/models/tiny-arith"].label == bundled
+    assert (listed["outputs/full-run"].template, listed["outputs/full-run"].fill_template) == ("llama3", "")
+    cached = listed[HUB_MODEL]
+    assert (cached.where, cached.template, cached.fill_template) == ("hub cache", "", "chatml")  # model_type qwen2
+    assert models.template_label(TEMPLATES["gemma_tools"].jinja) == "gemma_tools"
+
+
+def test_webui_folder_serves_the_same_app_in_gradio_reload_mode(tmp_path: Path):
+    """`gradio webui/app.py` (Gradio's reload mode, run from the checkout) serves the app `rlfactory webui` builds
+    (the Start tab, the form, the picker), with the options after `--` and behind the same guard (403 cross-origin)."""
+    import signal
+
+    pytest.importorskip("gradio", reason="the WebUI needs the webui extra (gradio)")
+    gradio_cli = Path(sys.executable).with_name("gradio")
+    if not gradio_cli.is_file():
+        pytest.skip(f"no gradio command next to {sys.executable}")
+    port = _free_port()
+    (tmp_path / "examples").symlink_to(ROOT / "examples")  # the workspace's examples: the Start tab's cards
+    options = ["--port", str(port), "--workspace", str(tmp_path), "--allow-read", str(ROOT / "examples")]
+    command = [str(gradio_cli), "webui/app.py", "--", *options]
+    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}
+    env.pop(AUTH_ENV, None)
+    with open(tmp_path / "gradio.log", "w") as log:
+        process = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        _wait_http(url, process)
+        with urllib.request.urlopen(url + "config", timeout=20) as response:
+            config = json.loads(response.read())
+        ids = {component["props"].get("elem_id") for component in config["components"]}
+        assert {"tab-gallery", "gallery-start-pipeline", "btn-start", "model-picker", "monitor-run"} <= ids
+        assert _get(url + "config", {"Origin": "http://evil.example"}) == 403
+        assert "Watching" in (tmp_path / "gradio.log").read_text()  # reload mode is on
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)  # gradio's command and the app it runs
+        process.wait(timeout=20)

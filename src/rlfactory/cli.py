@@ -254,18 +254,9 @@ def cmd_webui(args: argparse.Namespace) -> int:
 
     if importlib.util.find_spec("gradio") is None:  # not imported here: bad arguments are refused at once
         raise UserError("the WebUI needs gradio: pip install 'rlfactory[webui]'")
-    from rlfactory.webui import launch
+    from rlfactory.webui import launch_from_args
 
-    launch(
-        host=args.host,
-        port=args.port,
-        share=args.share,
-        auth=args.auth,
-        auth_file=args.auth_file,
-        insecure=args.insecure,
-        workspace_dir=args.workspace,
-        allow_read=args.allow_read,
-    )
+    launch_from_args(args)
     return 0
 
 

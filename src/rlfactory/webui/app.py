@@ -1,4 +1,5 @@
-"""The Gradio app: its tabs (Train, Monitor, Chat, Export, Evaluate) and the server launch.
+"""The Gradio app: the Start tab (examples, see ``gallery_tab``), Train, Monitor, Chat, Export, Evaluate, and the
+server launch.
 
 Paths in the page (examples/, data/, outputs/) are relative to the workspace (the directory the WebUI
 starts in, or ``--workspace``), as for the CLI; the page reads and writes only inside it (``workspace``).
@@ -31,12 +32,15 @@ def build_app() -> Any:
     from rlfactory import __version__
     from rlfactory.webui.chat_tab import ChatTab, ExportTab
     from rlfactory.webui.evaluate_tab import EvaluateTab
+    from rlfactory.webui.gallery_tab import GalleryTab
     from rlfactory.webui.monitor_tab import MonitorTab
     from rlfactory.webui.train_tab import TrainTab
 
     with gr.Blocks(title="rlfactory", analytics_enabled=False) as app:
         gr.Markdown(f"## rlfactory {__version__} · LLM post-training: pt, sft, rm, dpo, kto, orpo, ppo, grpo")
         with gr.Tabs(elem_id="tabs") as tabs:
+            with gr.Tab("Start", id="gallery", elem_id="tab-gallery"):
+                gallery = GalleryTab()
             with gr.Tab("Train", id="train", elem_id="tab-train"):
                 train = TrainTab()
             with gr.Tab("Monitor", id="monitor", elem_id="tab-monitor"):
@@ -48,13 +52,16 @@ def build_app() -> Any:
             with gr.Tab("Evaluate", id="evaluate", elem_id="tab-evaluate") as evaluate_page:
                 evaluate = EvaluateTab()
         train.wire(tabs, monitor)
+        gallery.wire(tabs, monitor, train)
         monitor.wire()
         chat.wire()
         export.wire()
         evaluate.wire()
         # lists of runs are read when a page opens, not when the app was built; a run going on is reattached
         app.load(monitor.on_refresh, None, [monitor.run, monitor.runs])
-        app.load(train.on_reattach, None, [*train.inputs, *train.stage_groups.values(), train.message, monitor.run])
+        reattach = [*train.inputs, *train.stage_groups.values(), train.message, monitor.run, tabs]
+        app.load(lambda: [*train.on_reattach(), _reattached_tab()], None, reattach)  # a run going on: its form
+        app.load(train.model_picker.on_refresh, None, train.model_picker.pick)
         # Chat and Export list runs trained since: when a run's row changes (it finished), on "refresh runs",
         # and when their tab opens
         for page, tab in ((chat_page, chat), (export_page, export), (evaluate_page, evaluate)):
@@ -65,14 +72,25 @@ def build_app() -> Any:
     return app
 
 
+def _reattached_tab() -> Any:
+    """The page opens on Start, or on Train when a run is going on (``TrainTab.on_reattach`` fills its form)."""
+    import gradio as gr
+
+    from rlfactory.webui import runner
+
+    return gr.Tabs(selected="train") if runner.live_runs() else gr.skip()
+
+
 def serve(
     host: str = "127.0.0.1",
     port: int = 7860,
     share: bool = False,
     credentials: tuple[str, str] | None = None,
+    app: Any = None,
 ) -> None:
-    """Build and serve the app until interrupted, from the configured workspace (``webui.launch`` checks
-    the arguments first); every request passes through ``security.Guard``."""
+    """Build (unless ``app`` is given: webui/app.py builds it first, for Gradio's reload mode) and serve the app
+    until interrupted, from the configured workspace (``webui.launch`` checks the arguments first); every request
+    passes through ``security.Guard``."""
     from starlette.middleware import Middleware
 
     from rlfactory.webui import security, workspace
@@ -80,7 +98,7 @@ def serve(
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     os.chdir(workspace.current().root)  # relative paths in the page (outputs/, examples/) mean the workspace
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    app = build_app()
+    app = app or build_app()
     app.queue(default_concurrency_limit=4)
     app.launch(
         server_name=host,

@@ -8,6 +8,7 @@ exactly like a live one. Files being written are read tolerantly: a half-written
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 import re
 import time
@@ -51,9 +52,46 @@ MAX_CHARTS = len(CHARTS)
 RUNS_ROOT = runner.RUNS_ROOT
 
 
+def pipeline_stages(output_dir: str | Path) -> list[Path]:
+    """A pipeline started from the page (its ``webui_run.yaml`` has ``stages:``): each stage's folder, in order;
+    [] for a single run. Validated as ``rlfactory train`` reads it, so the folders are the ones it writes."""
+    path = Path(output_dir) / runner.YAML_NAME
+    try:
+        stamp = path.stat().st_mtime_ns
+    except OSError:
+        return []
+    return [Path(folder) for folder in _stage_folders(str(path), stamp)]
+
+
+@functools.lru_cache(maxsize=64)
+def _stage_folders(path: str, stamp: int) -> tuple[str, ...]:
+    """Cached by the file's modification time: the Monitor asks every second."""
+    from rlfactory.config.loader import read_yaml, validate_config
+    from rlfactory.config.schema import PipelineConfig
+    from rlfactory.errors import UserError
+
+    try:
+        raw = read_yaml(path)
+        config = validate_config(raw, path) if "stages" in raw else None
+    except UserError:
+        return ()
+    return tuple(run.output_dir for run in config.stages) if isinstance(config, PipelineConfig) else ()
+
+
+def stage_dir(output_dir: str | Path) -> Path:
+    """Where the run's trainer_log.jsonl and rollouts are: its own folder, or for a pipeline the stage trained last
+    (the last stage folder that exists; the first before any does)."""
+    stages = pipeline_stages(output_dir)
+    if not stages:
+        return Path(output_dir)
+    started = [folder for folder in stages if folder.is_dir()]
+    return started[-1] if started else stages[0]
+
+
 def read_records(output_dir: str | Path) -> list[dict[str, Any]]:
-    """trainer_log.jsonl lines; a line still being written (not valid JSON) is skipped."""
-    path = Path(output_dir) / LOG_FILE
+    """trainer_log.jsonl lines (a pipeline's: its current stage's); a line still being written (not valid JSON) is
+    skipped."""
+    path = stage_dir(output_dir) / LOG_FILE
     if not path.is_file():
         return []
     records = []
@@ -121,7 +159,7 @@ def alert_markers(
 
 def configured_steps(output_dir: str | Path) -> int | None:
     """Total optimizer steps: train.max_steps from the run's YAML, else the count the trainer printed."""
-    folder = Path(output_dir)
+    folder = stage_dir(output_dir)
     for name in ("config.yaml", runner.YAML_NAME):
         try:
             raw = yaml.safe_load((folder / name).read_text()) or {}
@@ -130,8 +168,8 @@ def configured_steps(output_dir: str | Path) -> int | None:
         steps = (raw.get("train") or {}).get("max_steps") if isinstance(raw, dict) else None
         if steps:
             return int(steps)
-    match = re.search(r"\b(\d+) steps, batch", log_text(folder, 200))
-    return int(match.group(1)) if match else None
+    counts = re.findall(r"\b(\d+) steps, batch", log_text(output_dir, 200))
+    return int(counts[-1]) if counts else None  # a pipeline's log: the stage started last
 
 
 def _duration(seconds: float | None) -> str:
@@ -193,7 +231,11 @@ def status_line(output_dir: str | Path) -> str:
         "interrupted": "⚠ **interrupted** (the WebUI that started it went away)",
     }
     line = f"`{output_dir}` · " + words.get(state["status"], f"**{state['status']}**")  # which run is shown
-    done = summary(output_dir)
+    stages = pipeline_stages(output_dir)
+    if stages:
+        current = stage_dir(output_dir)
+        line += f" · pipeline stage {stages.index(current) + 1}/{len(stages)}: `{current}`"
+    done = summary(current if stages else output_dir)
     if state["status"] == "finished" and done:
         line += f": saved {done.get('saved_as')} model to `{done.get('output_dir')}` at step {done.get('global_step')}"
         eval_loss = (done.get("eval") or {}).get("eval_loss")
@@ -204,16 +246,16 @@ def status_line(output_dir: str | Path) -> str:
 
 def fingerprint(output_dir: str | Path) -> tuple:
     """Changes whenever anything the Monitor tab shows may have changed (cheap: stat calls only)."""
-    folder = Path(output_dir)
+    folder, data = Path(output_dir), stage_dir(output_dir)
     stats = []
     for name in (LOG_FILE, runner.LOG_NAME, runner.STATE_NAME, "run_summary.json"):
         try:
-            info = (folder / name).stat()
+            info = ((data if name == LOG_FILE else folder) / name).stat()
             stats.append((name, info.st_mtime_ns, info.st_size))
         except OSError:
             stats.append((name, None, None))
-    rollouts = sorted((folder / "rollouts").glob("step_*.jsonl")) if (folder / "rollouts").is_dir() else []
-    return (str(folder), tuple(stats), rollouts[-1].stat().st_mtime_ns if rollouts else None)
+    rollouts = sorted((data / "rollouts").glob("step_*.jsonl")) if (data / "rollouts").is_dir() else []
+    return (str(folder), str(data), tuple(stats), rollouts[-1].stat().st_mtime_ns if rollouts else None)
 
 
 def list_runs(root: str | Path = RUNS_ROOT) -> list[dict[str, Any]]:
@@ -245,7 +287,7 @@ def _stage_of(folder: Path) -> str:
     for name in ("config.yaml", runner.YAML_NAME):
         try:
             raw = yaml.safe_load((folder / name).read_text()) or {}
-            return str(raw.get("stage", "?"))
+            return "pipeline" if "stages" in raw else str(raw.get("stage", "?"))
         except (OSError, yaml.YAMLError, AttributeError):
             continue
     return "?"
@@ -254,7 +296,7 @@ def _stage_of(folder: Path) -> str:
 def rollouts(output_dir: str | Path, limit: int = 20) -> tuple[str, list[dict[str, Any]]]:
     """(file name, rows) of the newest ``rollouts/step_*.jsonl``: prompt, completion, reward, one column
     per reward component."""
-    folder = Path(output_dir) / "rollouts"
+    folder = stage_dir(output_dir) / "rollouts"
     files = sorted(folder.glob("step_*.jsonl"), key=lambda p: int(re.sub(r"\D", "", p.stem) or 0))
     if not files:
         return "", []

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlfactory.config.schema import RunConfig
+from rlfactory.config.schema import PipelineConfig, RunConfig
 from rlfactory.engine.run_dir import write_atomic
 from rlfactory.errors import UserError
 from rlfactory.webui import workspace
@@ -56,22 +56,26 @@ _ACTIVE: dict[Path, _Active] = {}
 _LOCK = threading.Lock()
 
 
-def check(raw: dict[str, Any], source: str = "WebUI form") -> tuple[RunConfig, list[str]]:
+Config = RunConfig | PipelineConfig
+
+
+def check(raw: dict[str, Any], source: str = "WebUI form") -> tuple[Config, list[str]]:
     """``rlfactory config check`` on the form (schema, datasets, reward and tool files, model path or cache,
     template, the stage's rendering), for a run on this machine: what it lacks (a GPU for zero3, a hub model not
-    in the cache when offline) is an error here, not the CLI's warning. Returns the config and the check's notes;
-    raises UserError."""
+    in the cache when offline) is an error here, not the CLI's warning. A mapping with ``stages:`` is a pipeline,
+    as for ``rlfactory train`` (``config.loader.validate_config`` decides); each of its stages is checked.
+    Returns the config and the check's notes; raises UserError."""
     from rlfactory.config.loader import validate_config
     from rlfactory.stages.check import check_config
 
     config = validate_config(raw, source)
-    if not isinstance(config, RunConfig):
-        raise UserError("the WebUI runs one stage at a time; run pipeline YAMLs with `rlfactory train`")
-    workspace.check_run_paths(config)  # before check_config reads the model and the data
+    workspace.current().writable(config.output_dir, "output_dir")
+    for run in config.stages if isinstance(config, PipelineConfig) else [config]:
+        workspace.check_run_paths(run)  # before check_config reads the model and the data
     return config, check_config(config, here=True)
 
 
-def validate(raw: dict[str, Any], source: str = "WebUI form") -> RunConfig:
+def validate(raw: dict[str, Any], source: str = "WebUI form") -> Config:
     return check(raw, source)[0]
 
 
@@ -99,9 +103,11 @@ def _alive(pid: int | None) -> bool:
         return False
 
 
-def _command(out: Path) -> list[str]:
-    """The command line of the run in ``out`` (a resolved output dir)."""
-    return [sys.executable, "-m", "rlfactory", "train", str(out / YAML_NAME), "overwrite_output_dir=false"]
+def _command(out: Path, pipeline: bool = False) -> list[str]:
+    """The command line of the run in ``out`` (a resolved output dir). A single run's folder was prepared here (see
+    the module's docstring); a pipeline's stages prepare their own folders below ``out``, as under the CLI."""
+    command = [sys.executable, "-m", "rlfactory", "train", str(out / YAML_NAME)]
+    return command if pipeline else [*command, "overwrite_output_dir=false"]
 
 
 def _run_process(key: Path, state: dict[str, Any]) -> Any:
@@ -119,7 +125,7 @@ def _run_process(key: Path, state: dict[str, Any]) -> Any:
         same = (
             abs(proc.create_time() - float(state.get("create_time"))) < 0.05
             and cmdline == state.get("command")
-            and cmdline[1:] == _command(key)[1:]  # a WebUI of another venv may have started it
+            and cmdline[1:] in (_command(key)[1:], _command(key, True)[1:])  # another venv's WebUI may have started it
             and os.getpgid(pid) == pid
             and state.get("workspace") == str(workspace.current().root)
             and proc.status() != psutil.STATUS_ZOMBIE
@@ -143,8 +149,8 @@ def is_busy(output_dir: str | Path) -> bool:
         return _busy(Path(output_dir).resolve())
 
 
-def start(raw: dict[str, Any], yaml_text: str) -> RunConfig:
-    """Validate, prepare the output dir and launch the run; returns its config. Raises UserError."""
+def start(raw: dict[str, Any], yaml_text: str) -> Config:
+    """Validate, prepare the output dir and launch the run (or pipeline); returns its config. Raises UserError."""
     from rlfactory.engine import run_dir
 
     out = raw.get("output_dir")
@@ -155,10 +161,15 @@ def start(raw: dict[str, Any], yaml_text: str) -> RunConfig:
     with _LOCK:
         if _busy(key):
             raise _busy_error(config.output_dir)
-        resume_from = run_dir.resolve_resume(config.output_dir, config.resume_from_checkpoint)
-        run_dir.check_output_dir(config.output_dir, config.overwrite_output_dir, resume_from)
-        run_dir.prepare_output_dir(config.output_dir, config.overwrite_output_dir, resume_from)
-        _ACTIVE[key] = _launch(key, yaml_text)
+        pipeline = isinstance(config, PipelineConfig)
+        if pipeline:  # its stages' folders are checked (check_config) and prepared by each stage, below this one
+            run_dir.check_output_location(config.output_dir)
+            key.mkdir(parents=True, exist_ok=True)
+        else:
+            resume_from = run_dir.resolve_resume(config.output_dir, config.resume_from_checkpoint)
+            run_dir.check_output_dir(config.output_dir, config.overwrite_output_dir, resume_from)
+            run_dir.prepare_output_dir(config.output_dir, config.overwrite_output_dir, resume_from)
+        _ACTIVE[key] = _launch(key, yaml_text, pipeline)
     return config
 
 
@@ -168,12 +179,12 @@ def _busy_error(output_dir: str) -> UserError:
     )
 
 
-def _launch(out: Path, yaml_text: str) -> _Active:
+def _launch(out: Path, yaml_text: str, pipeline: bool = False) -> _Active:
     """Start the run in ``out`` (resolved) and record what identifies its process."""
     import psutil
 
     (out / YAML_NAME).write_text(yaml_text)
-    command = _command(out)
+    command = _command(out, pipeline)
     root = workspace.current().root
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(out / LOG_NAME, "w") as log:

@@ -11,6 +11,8 @@ import gradio as gr
 from rlfactory.errors import UserError
 from rlfactory.webui import preview, runner, workspace
 from rlfactory.webui import schema_form as sf
+from rlfactory.webui.model_picker import ModelPicker
+from rlfactory.webui.monitor import pipeline_stages as monitor_pipeline_stages
 from rlfactory.webui.plan_panel import PlanPanel
 
 # Shown first, above the sections, in these rows (they still come from the schema): what to train, and on how
@@ -138,6 +140,7 @@ class TrainTab:
             with gr.Row():
                 for path in row:
                     self.widgets[path] = make_widget(by_path[path])
+        self.model_picker = ModelPicker()  # fills model.name_or_path and model.template
         self.field_errors: dict[str, Any] = {ESSENTIAL_ERRORS: gr.Markdown(visible=False, elem_id="error-essentials")}
         with gr.Accordion("Dataset preview: what the model sees", open=False, elem_id="preview-accordion"):
             with gr.Row():
@@ -266,7 +269,10 @@ class TrainTab:
         try:
             raw = read_yaml(workspace.current().readable(path or "", "YAML to load"))
             if "stages" in raw:
-                raise UserError(f"{path} is a pipeline (`stages:`); run pipelines with `rlfactory train {path}`")
+                raise UserError(
+                    f"{path} is a pipeline (`stages:`) and the form edits one run: start it from the Start tab "
+                    f"(▶ Start), or with `rlfactory train {path}`"
+                )
             raw, converted = sf.form_mapping(raw)
         except UserError as exc:
             return [gr.skip()] * len(self.specs) + [gr.skip()] * len(self.stage_groups) + [error_md(exc)]
@@ -306,6 +312,9 @@ class TrainTab:
         if not live:
             return [gr.skip()] * (len(self.specs) + len(self.stage_groups) + 2)
         run = str(live[0])
+        if monitor_pipeline_stages(run):  # the form edits one run: Monitor follows the pipeline's stages
+            note = f"● the pipeline in `{run}` is going on: the Monitor tab follows its stages, and Stop stops it"
+            return [gr.skip()] * (len(self.specs) + len(self.stage_groups)) + [note, run]
         note = (
             f"● a run is going on in `{run}` (started from this page before a reload, or from another tab): "
             "the form shows its config, the Monitor tab follows it, and Stop stops it"
@@ -334,3 +343,4 @@ class TrainTab:
         )
         self.stop_btn.click(self.on_stop, self.widgets["output_dir"], self.message)
         self.reward_panel.wire(self)
+        self.model_picker.wire(self.widgets["model.name_or_path"], self.widgets["model.template"])
