@@ -71,7 +71,7 @@ test-vllm: $(VLLM_STAMP)
 		tests/test_vllm_backend.py tests/test_vllm_serve.py tests/test_vllm_eval.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests scripts
+	$(BIN)/ruff check src tests scripts webui bench
 	$(BIN)/ruff format --check src
 
 docs: $(STAMP)
