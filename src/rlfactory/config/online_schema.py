@@ -58,7 +58,8 @@ class RolloutConfig(Section):
         False,
         description="Overlapped generation, one step off-policy: step k+1's rollouts are generated (on a copy of the "
         "policy, in a second thread) while step k trains, so a step costs about max(generation, the rest) instead of "
-        "their sum. The cost is staleness: the rollouts trained at step k come from the weights of step k-1 (step 1: "
+        "their sum where the two can run at once (on a CPU they share the cores: README 'Overlapped generation'). "
+        "The cost is staleness: the rollouts trained at step k come from the weights of step k-1 (step 1: "
         "the initial ones). The sampler's log-probs are kept, so rollout/logprob_diff_* and rollout/ratio_over_cap "
         "measure how far the policy moved, and is_correction corrects for it (token_truncate is a sound start). The "
         "copy costs the trained weights once more (LoRA: the adapter only). hf backend, one process.",
