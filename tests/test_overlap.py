@@ -218,7 +218,7 @@ def test_the_quickstart_learns_as_well_with_overlap(tmp_path: Path):
     """Held-out greedy accuracy (64 problems) after 12 quickstart steps, overlap off and on, same seed: both learn,
     and overlap on ends within MARGIN of overlap off. Measured from 0.422: overlap off 0.703 (seed 0), 0.703 (seed 1);
     on 0.703 (seed 0), 0.625 (seed 1). The margin is the binomial noise of a 64-problem score; two seeds per side
-    cannot estimate the seed-to-seed spread. About 5 minutes per run on the busy 2-core machine."""
+    cannot estimate the seed-to-seed spread. 20 minutes for both runs on the busy 2-core machine."""
     scores = {}
     for overlap in (False, True):
         cfg = quickstart_like(tmp_path, overlap)
