@@ -217,8 +217,9 @@ MARGIN = 0.1
 def test_the_quickstart_learns_as_well_with_overlap(tmp_path: Path):
     """Held-out greedy accuracy (64 problems) after 12 quickstart steps, overlap off and on, same seed: both learn,
     and overlap on ends within MARGIN of overlap off. Measured from 0.422: overlap off 0.703 (seed 0), 0.703 (seed 1),
-    0.609 (seed 42, this test); on 0.703, 0.625, 0.672 (means 0.672 off, 0.667 on). The margin is the binomial noise of a 64-problem score; three seeds per side
-    barely estimate the seed-to-seed spread. 20 minutes for both runs on the busy 2-core machine."""
+    0.609 (seed 42, this test); on 0.703, 0.625, 0.672 (means 0.672 off, 0.667 on). The margin is the binomial noise
+    of a 64-problem score; three seeds per side barely estimate the seed-to-seed spread. 20 minutes for both runs on
+    the busy 2-core machine."""
     scores = {}
     for overlap in (False, True):
         cfg = quickstart_like(tmp_path, overlap)
