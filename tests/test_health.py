@@ -347,9 +347,31 @@ def test_a_huge_learning_rate_blows_up_both_kls(tmp_path: Path):
 
 
 @pytest.mark.slow
-def test_a_healthy_run_fires_nothing(tmp_path: Path):
+def test_a_sampler_one_step_behind_a_huge_learning_rate_is_caught(tmp_path: Path):
+    """rollout.overlap trains step k on samples of step k-1's weights; at lr 3e-3 those weights are far from the
+    trainer's (measured: |log-prob difference| 1.3-2.0 nats per token from step 2, 1.4-4% of the tokens over the IS
+    cap of 2): sampler_mismatch fires at its first window whose mean share is above 0.02 (step 4, measured 0.0265).
+    Step 1 samples the weights it trains (nothing stale yet: 0 tokens over the cap)."""
+    cfg = grpo_run(tmp_path, rollout={"overlap": True}, train={"max_steps": 5, "learning_rate": 3e-3})
+    log, stderr = train(tmp_path, cfg)
+    steps = [r for r in log if "score/mean" in r]
+    assert [r["rollout/staleness"] for r in steps] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert steps[0]["rollout/ratio_over_cap"] == 0.0 and steps[0]["rollout/logprob_diff_max"] < 1e-3
+    mismatch = [r["health"] for r in log if "health" in r and r["health"]["rule"] == "sampler_mismatch"]
+    assert len(mismatch) == 1 and mismatch[0]["value"] > 0.02, mismatch
+    fired_at = next(r["step"] for r in log if "health" in r and r["health"]["rule"] == "sampler_mismatch")
+    assert fired_at in (4, 5)
+    window = [r["rollout/ratio_over_cap"] for r in steps if fired_at - 3 < r["step"] <= fired_at]
+    assert mismatch[0]["value"] == pytest.approx(sum(window) / 3, abs=1e-5)
+    assert "with rollout.overlap (a sampler one step behind) lower train.learning_rate" in stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_healthy_run_fires_nothing(tmp_path: Path, overlap: bool):
     """The quickstart (examples/quickstart/grpo.yaml: the calculator tool, its five reward parts, a KL term, two
-    mini-batches) at a test's size, 4 prompts x 8 samples for 6 steps: held-out accuracy rises and no rule fires.
+    mini-batches) at a test's size, 4 prompts x 8 samples for 6 steps: held-out accuracy rises and no rule fires;
+    with rollout.overlap too (a sampler one step behind at the quickstart's learning rate stays under the IS cap).
     (The plain task without tools is not healthy on this model: its answers are nearly fixed per prompt, and in 6
     steps at 4 samples over 80% of the groups scored alike at step 6: zero_advantage fired, rightly.)"""
     from rlfactory.config.loader import read_yaml
@@ -358,7 +380,7 @@ def test_a_healthy_run_fires_nothing(tmp_path: Path):
     cfg = grpo_run(
         tmp_path,
         **{k: quickstart[k] for k in ("data", "agent", "reward", "algorithm")},
-        rollout={**quickstart["rollout"], "prompts_per_step": 4},
+        rollout={**quickstart["rollout"], "prompts_per_step": 4, "overlap": overlap},
         train={**quickstart["train"], "max_steps": 6, "eval_steps": 3, "save_steps": None},
         evaluation={**quickstart["evaluation"], "max_samples": 16},
     )
@@ -369,6 +391,9 @@ def test_a_healthy_run_fires_nothing(tmp_path: Path):
     scores = [r["val/score"] for r in log if "val/score" in r]
     assert len(scores) == 3 and scores[-1] > scores[0], scores
     assert all("rollout/zero_adv_groups" in r for r in log if "score/mean" in r)
+    if overlap:  # the mismatch was measured at every step, and stayed under the rule's ceiling
+        over_cap = [r["rollout/ratio_over_cap"] for r in log if "score/mean" in r]
+        assert len(over_cap) == 6 and max(over_cap) <= 0.02, over_cap
 
 
 @pytest.mark.slow

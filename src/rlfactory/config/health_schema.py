@@ -109,8 +109,9 @@ class ClipFractionRule(RateRule):
 
 
 class SamplerMismatchRule(RateRule):
-    """sampler_mismatch: a separate sampler (vllm) and the trainer disagree: the share of response tokens whose
-    trainer/sampler probability ratio is above rollout.is_threshold (rollout/ratio_over_cap)."""
+    """sampler_mismatch: a separate sampler (vllm, or rollout.overlap's copy one step behind) and the trainer
+    disagree: the share of response tokens whose trainer/sampler probability ratio is above rollout.is_threshold
+    (rollout/ratio_over_cap)."""
 
     max_rate: float = Field(
         0.02, ge=0.0, le=1.0, description="Fires when the recent mean share of tokens over the cap is above this."

@@ -54,6 +54,16 @@ class RolloutConfig(Section):
         "a model with its own code (model.trust_remote_code), which may ignore packed position ids; on: always (only "
         "for models whose attention builds its mask from position ids, as transformers' own models do); off: padded.",
     )
+    overlap: bool = Field(
+        False,
+        description="Overlapped generation, one step off-policy: step k+1's rollouts are generated (on a copy of the "
+        "policy, in a second thread) while step k trains, so a step costs about max(generation, the rest) instead of "
+        "their sum where the two can run at once (on a CPU they share the cores: README 'Overlapped generation'). "
+        "The cost is staleness: the rollouts trained at step k come from the weights of step k-1 (step 1: "
+        "the initial ones). The sampler's log-probs are kept, so rollout/logprob_diff_* and rollout/ratio_over_cap "
+        "measure how far the policy moved, and is_correction corrects for it (token_truncate is a sound start). The "
+        "copy costs the trained weights once more (LoRA: the adapter only). hf backend, one process.",
+    )
     generation_batch_size: int = Field(
         64, ge=1, description="Sequences generated at once per device (memory-bound; also used for validation)."
     )
@@ -102,11 +112,13 @@ class RolloutConfig(Section):
     )
     is_correction: Literal["none", "token_truncate", "token_mask", "seq_truncate", "seq_mask"] = Field(
         "none",
-        description="vllm: importance-sampling correction of the rollout/trainer mismatch, weight = "
+        description="vllm or overlap: importance-sampling correction of the rollout/trainer mismatch, weight = "
         "pi_trainer / pi_sampler per token (token_*) or its per-sequence geometric mean (seq_*); truncate caps it "
         "at is_threshold, mask zeroes samples above it. The mismatch is logged either way (rollout/logprob_diff_*).",
     )
-    is_threshold: float = Field(2.0, gt=1.0, description="vllm: cap (truncate) or cut-off (mask) of the IS weight.")
+    is_threshold: float = Field(
+        2.0, gt=1.0, description="vllm or overlap: cap (truncate) or cut-off (mask) of the IS weight."
+    )
 
 
 class RewardConfig(Section):

@@ -559,10 +559,17 @@ class RunConfig(Section):
                 raise ValueError(
                     f"stage {self.stage} needs a reward source: set reward.functions or reward.reward_model"
                 )
-            if self.rollout.is_correction != "none" and self.rollout.backend != "vllm":
+            separate_sampler = self.rollout.backend == "vllm" or self.rollout.overlap
+            if self.rollout.is_correction != "none" and not separate_sampler:
                 raise ValueError(
                     f"rollout.is_correction '{self.rollout.is_correction}' corrects for a separate sampler: it needs "
-                    "rollout.backend: vllm (the hf backend samples with the policy itself); set it to none"
+                    "rollout.backend: vllm or rollout.overlap: true (the hf backend otherwise samples with the policy "
+                    "itself); set it to none"
+                )
+            if self.rollout.overlap and self.rollout.backend != "hf":
+                raise ValueError(
+                    f"rollout.overlap: true runs with rollout.backend: hf only (not {self.rollout.backend} yet: "
+                    "docs/ARCHITECTURE.md 'Overlapped generation' says what it needs); set rollout.overlap: false"
                 )
             self._online_rules()
         if self.evaluation.tools and self.rollout is not None:

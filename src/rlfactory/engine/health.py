@@ -239,8 +239,9 @@ RATE_RULES = {
     "sampler_mismatch": (
         "rollout/ratio_over_cap",  # the share of tokens whose trainer/sampler ratio is above rollout.is_threshold
         "tokens beyond the importance-sampling cap (rollout.is_threshold)",
-        "check that the weights reach the sampler after each update, sample and train in the same precision, turn "
-        "on rollout.is_correction (token_truncate or seq_mask), or raise rollout.is_threshold",
+        "check that the weights reach the sampler after each update, sample and train in the same precision; with "
+        "rollout.overlap (a sampler one step behind) lower train.learning_rate or turn overlap off; turn on "
+        "rollout.is_correction (token_truncate or seq_mask), or raise rollout.is_threshold",
     ),
 }
 

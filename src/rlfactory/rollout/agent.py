@@ -332,12 +332,13 @@ class Rollouts:
         close_workers()
 
 
-def build_rollouts(cfg: RunConfig, model: Any, tokenizer: Any) -> Rollouts:
-    """The run's backend (``rollout.backend``), wrapped in the agent loop when tools or an env are configured."""
+def build_rollouts(cfg: RunConfig, model: Any, tokenizer: Any, backend: GenerationBackend | None = None) -> Rollouts:
+    """The run's backend (``rollout.backend``; or ``backend``), wrapped in the agent loop when tools or an env are
+    configured."""
     from rlfactory.rollout.backends import build_backend
     from rlfactory.tools.execute import ExecLimits
 
-    backend = build_backend(cfg, model, tokenizer)
+    backend = backend if backend is not None else build_backend(cfg, model, tokenizer)
     if not agent_enabled(cfg):
         return Rollouts(backend, None)
     ag = cfg.agent

@@ -40,3 +40,13 @@ def build_backend(cfg: RunConfig, model: Any, tokenizer: Any) -> GenerationBacke
     """The backend named by ``rollout.backend`` (an unknown name: a UserError listing the valid ones)."""
     assert cfg.rollout is not None
     return BACKENDS.get(cfg.rollout.backend)(cfg, model, tokenizer)
+
+
+def build_overlap_sampler(cfg: RunConfig, model: Any, tokenizer: Any, seed: int) -> GenerationBackend:
+    """The sampler of ``rollout.overlap``: generates the next step's rollouts in a second thread while ``model``
+    trains, so it cannot be the policy itself: hf's ``generate`` on a copy of its weights (the schema refuses overlap
+    with other backends), sampling from its own generator seeded with ``seed``."""
+    from rlfactory.rollout.hf import CopyBackend
+
+    assert cfg.rollout is not None and cfg.rollout.backend == "hf"
+    return CopyBackend(model, tokenizer, cfg.rollout.generation_batch_size, seed)

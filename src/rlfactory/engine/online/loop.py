@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from rlfactory.config.schema import RunConfig
 from rlfactory.engine import health, run_dir, shared
 from rlfactory.engine.offline import TrainResult
+from rlfactory.engine.online.overlap import Prefetch
 from rlfactory.engine.online.phases import LoopState, Run, step, trace_rows
 from rlfactory.engine.online.ranks import Ranks
 from rlfactory.engine.online.update import Updater
@@ -120,6 +121,11 @@ def check_world(cfg: RunConfig, world: int) -> None:
             "each process runs its own vLLM engine on its own GPU (tensor_parallel_size: 1); for a model that "
             "needs several GPUs to generate, run one process with tensor_parallel_size > 1"
         )
+    if world > 1 and ro.overlap:
+        raise UserError(
+            f"rollout.overlap: true runs on one process for now ({world} here): overlapped generation over several "
+            "processes is not tested yet; set rollout.overlap: false, or run one process"
+        )
     if world > 1 and cfg.train.deepspeed:
         raise UserError(
             f"train.deepspeed: stage {cfg.stage} runs on several processes with DDP only; remove train.deepspeed"
@@ -179,6 +185,13 @@ def build_run(
         )
     for example in prompts + eval_prompts:
         example["prompt_text"] = tokenizer.decode(example["prompt_ids"])
+    unwrapped = accelerator.unwrap_model(actor.model)
+    sampler = None
+    if ro.overlap:  # validation keeps generating with the policy itself; the copy makes the training rollouts
+        from rlfactory.rollout.backends import build_overlap_sampler
+
+        copy = build_overlap_sampler(cfg, unwrapped, tokenizer, cfg.seed + ranks.rank)
+        sampler = build_rollouts(cfg, unwrapped, tokenizer, backend=copy)
     return Run(
         cfg=cfg,
         accelerator=accelerator,
@@ -188,13 +201,15 @@ def build_run(
         actor=actor,
         critic=critic_updater,
         reference=reference,
-        rollouts=build_rollouts(cfg, accelerator.unwrap_model(actor.model), tokenizer),
+        rollouts=build_rollouts(cfg, unwrapped, tokenizer),
         rewards=RewardStack(cfg.reward, ro.max_response_len, reward_model),
         kl_ctrl=_kl_controller(cfg),
         prompts=prompts,
         eval_prompts=eval_prompts,
         total_steps=total,
         health=health.HealthMonitor(cfg.health, Path(cfg.output_dir), accelerator.is_main_process),
+        sampler=sampler,
+        prefetch=Prefetch() if sampler is not None else None,
     )
 
 
@@ -322,8 +337,10 @@ def train(
     before = after = None
     if resume_from is not None:
         before = _resume(run, resume_from)
-    if run.rollouts.syncs_weights:  # merged adapter_paths, a resumed policy: the engine loaded other weights
-        run.rollouts.sync_weights(run.accelerator.unwrap_model(run.actor.model))
+    for sampler in (run.rollouts, run.sampler):  # merged adapter_paths, a resumed policy: other weights loaded
+        if sampler is not None and sampler.syncs_weights:
+            sampler.sync_weights(run.accelerator.unwrap_model(run.actor.model))
+    run.sampler_version = run.state.step
     ro, alg = cfg.rollout, cfg.algorithm
     run.accelerator.print(
         f"stage {cfg.stage}: {len(prompts)} prompts, {run.total_steps} steps of {ro.prompts_per_step} prompts x "
@@ -348,9 +365,17 @@ def train(
         run.rewards.close()  # the user functions' worker processes
 
 
+def _trained_state(run: Run) -> dict[str, Any]:
+    """The loop state as of the steps trained: a round generating in the overlap thread has drawn the next step's
+    prompts already, which a checkpoint must not count (a resumed run draws them again)."""
+    state = asdict(run.state)
+    return {**state, **(run.prefetch.rewind() if run.prefetch is not None else {})}
+
+
 def _checkpoint(run: Run, done: int) -> Path:
     run.state.kl_coef = run.kl_ctrl.value
-    return shared.save_checkpoint(run.accelerator, run.out, done, asdict(run.state), run.cfg.train.save_total_limit)
+    state, limit = _trained_state(run), run.cfg.train.save_total_limit
+    return shared.save_checkpoint(run.accelerator, run.out, done, state, limit)
 
 
 def _loop(run: Run, bar: Any, stop: shared.StopSignals, validates: bool) -> dict[str, float]:
@@ -374,7 +399,8 @@ def _loop(run: Run, bar: Any, stop: shared.StopSignals, validates: bool) -> dict
             last = _mean(window)
             elapsed = time.time() - start
             eta = elapsed / (done - start_step) * (run.total_steps - done)
-            _log(run, {"step": done, "epoch": run.state.epoch, **last, "elapsed_s": elapsed, "eta_s": eta})
+            epoch = _trained_state(run)["epoch"]
+            _log(run, {"step": done, "epoch": epoch, **last, "elapsed_s": elapsed, "eta_s": eta})
             window = []
         if validates and cfg.train.eval_steps and done % cfg.train.eval_steps == 0 and done < run.total_steps:
             _validate_and_log(run, done)
@@ -393,7 +419,7 @@ def _loop(run: Run, bar: Any, stop: shared.StopSignals, validates: bool) -> dict
         if not stopping or done == run.total_steps:
             continue
         if done % cfg.logging.logging_steps:  # the step's metrics (and failure counts) reach the log first
-            _log(run, {"step": done, "epoch": run.state.epoch, **_mean(window)})
+            _log(run, {"step": done, "epoch": _trained_state(run)["epoch"], **_mean(window)})
             traced = traced or _trace(run, done, result)  # an alert of that record points to this step
         saved = saved or _checkpoint(run, done)
         if unhealthy is not None:
@@ -461,6 +487,9 @@ def _finish(run: Run, last: dict, before: dict | None, after: dict | None) -> tu
     saved_as = run.ranks.first(saved_as)  # every rank returns the same result; the model is written once
     shared.end_run(accelerator)
     run.rollouts.close()
+    if run.sampler is not None:
+        run.prefetch.wait()
+        run.sampler.close()
     extra: dict[str, Any] = {}
     if after is not None:
         for key, label in (("val/score", cfg.evaluation.metric), ("val/reward/mean", "reward")):

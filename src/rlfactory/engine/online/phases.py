@@ -2,7 +2,9 @@
 
 1. rollout   ``prompts_per_step`` prompts x ``num_samples`` samples through the run's ``Rollouts`` (a backend,
              through the agent loop when tools are set; dynamic sampling: drop groups whose rewards are all
-             equal, refill, up to a limit)
+             equal, refill, up to a limit). With ``rollout.overlap`` the first round was generated during the
+             previous step's update (``overlap.py``); the sampler is then synced and the next step's round launched
+             before this step's passes run. Every sample records the policy version that generated it
 2. reward    the reward stack scores every sample (components logged separately)      -> batch.scores, .group
 3. ref       reference log-probs, only with a KL term                                 -> batch.ref_logprobs
 4. old       pi_old log-probs, only with > 1 update per batch or an in-reward KL       -> batch.old_logprobs
@@ -11,9 +13,11 @@
                                                                   -> batch.token_rewards, .advantages, .returns
 7. update    critic, then actor: ppo_epochs x num_mini_batches optimizer steps (``update.Updater``), the
              policy gradient importance-weighted by ``rollout.is_correction`` when a separate sampler generated
-8. sync      a backend with its own copy of the policy (vllm) gets the updated weights
+8. sync      a backend with its own copy of the policy (vllm) gets the updated weights (the overlap sampler: at
+             the next step, once its round is taken)
 9. metrics   verl names: actor/*, critic/*, reward/<name>/*, score/*, advantages/*, response_length/*,
-             timing_s/*, perf/*; with a separate sampler rollout/logprob_diff_{mean,max}, rollout/prob_pearson
+             timing_s/*, perf/*, rollout/staleness; with a separate sampler rollout/logprob_diff_{mean,max},
+             rollout/prob_pearson, rollout/ratio_over_cap
 
 Each phase fills named fields of the typed :class:`RolloutBatch`; whether it runs is decided by what the run
 has (a reference, a critic) and by the registry entries' traits, never by a stage name.
@@ -39,6 +43,7 @@ import torch
 from rlfactory.config.schema import RunConfig
 from rlfactory.engine.health import HealthMonitor
 from rlfactory.engine.online import update as ops
+from rlfactory.engine.online.overlap import Prefetch, Round, generate_round
 from rlfactory.engine.online.ranks import Ranks
 from rlfactory.engine.shared import peak_memory_gb
 from rlfactory.rewards.stack import RewardStack, Sample, Scores, score_metrics
@@ -109,6 +114,11 @@ class Run:
     state: LoopState = field(default_factory=LoopState)
     timer: PhaseTimer = field(default_factory=PhaseTimer)
     health: HealthMonitor | None = None  # the health rules, fed every logged record (``engine/health.py``)
+    # rollout.overlap: the sampler generating the next step while this one trains (a copy of the policy), the round
+    # in flight, and the version of the sampler's weights (the steps done when it was last synced)
+    sampler: Rollouts | None = None
+    prefetch: Prefetch | None = None
+    sampler_version: int = 0
 
 
 @dataclass
@@ -122,6 +132,7 @@ class Rollout:
     group: int
     score: float
     rewards: dict[str, float]  # per component (and dict part)
+    version: int = 0  # the policy version that generated it: the optimizer steps (RL steps) done on those weights
 
 
 @dataclass
@@ -147,23 +158,24 @@ def next_prompts(run: Run, k: int) -> list[dict]:
     return out
 
 
-def generate_and_score(
-    run: Run, examples: list[dict], params: SamplingParams, copies: int
-) -> tuple[list[Rollout], dict[str, int]]:
-    """``copies`` samples per example, scored (group ids are fresh per prompt); and reward failures per component.
-
-    ``examples`` are the round's prompts; on several processes each rank generates and scores its contiguous share
-    (whole groups), then the samples of every rank are gathered in rank order: every rank returns the same list,
-    in the order one process would have made it.
-    """
-    first_group = run.state.group
-    run.state.group += len(examples)
+def draw_round(run: Run, prompts: int, copies: int) -> Round:
+    """The next ``prompts`` prompts and their fresh group ids, on the main thread (the prompt order and the group ids
+    are the loop's state); this rank's contiguous share of them (whole groups), each repeated ``copies`` times."""
+    state = run.state
+    rewind = {"cursor": state.cursor, "group": state.group, "epoch": state.epoch}
+    examples = next_prompts(run, prompts)
+    first_group = state.group
+    state.group += len(examples)
     mine = run.ranks.share(examples)
     first_group += run.ranks.rank * len(mine)
     repeated = [ex for ex in mine for _ in range(copies)]
-    with run.timer("gen"), run.accelerator.autocast():
-        completions, finals, seen = run.rollouts.generate(repeated, params)
     groups = [first_group + i // copies for i in range(len(repeated))]
+    return Round(repeated, groups, run.sampler_version, rewind)
+
+
+def score_round(run: Run, round_: Round) -> tuple[list[Rollout], dict[str, int]]:
+    """The generated round scored; the samples of every rank gathered in rank order (every rank returns the same
+    list, in the order one process would have made it), and reward failures per component."""
     decode = run.tokenizer.decode
     samples = [  # multi-turn: rewards read the last assistant turn (``final``)
         Sample(
@@ -174,16 +186,42 @@ def generate_and_score(
             len(c.token_ids),
             list(c.token_ids),
         )
-        for ex, c, final in zip(seen, completions, finals, strict=True)
+        for ex, c, final in zip(round_.seen, round_.completions, round_.finals, strict=True)
     ]
     with run.timer("reward"):
         scores = run.rewards.score(samples)
     parts = {**scores.components, **scores.parts}
     rollouts = [
-        Rollout(s.example, ex["prompt_ids"], c, s.completion, g, scores.total[i], {k: v[i] for k, v in parts.items()})
-        for i, (s, ex, c, g) in enumerate(zip(samples, repeated, completions, groups, strict=True))
+        Rollout(
+            s.example,
+            ex["prompt_ids"],
+            c,
+            s.completion,
+            g,
+            scores.total[i],
+            {k: v[i] for k, v in parts.items()},
+            round_.version,
+        )  # fmt: skip
+        for i, (s, ex, c, g) in enumerate(zip(samples, round_.examples, round_.completions, round_.groups, strict=True))
     ]
     return run.ranks.gather_objects(rollouts), run.ranks.sum_counts(scores.failures)
+
+
+def generate_and_score(
+    run: Run, prompts: int, params: SamplingParams, copies: int
+) -> tuple[list[Rollout], dict[str, int]]:
+    """``copies`` samples for each of the next ``prompts`` prompts, scored, of every rank; and reward failures per
+    component. The first round of a step comes from the overlapped sampler when one is in flight."""
+    round_ = None
+    if run.prefetch is not None and run.prefetch.pending is not None:
+        with run.timer("gen"):  # what generation still costs the step: the wait for the thread
+            round_ = run.prefetch.take()
+        run.timer.seconds["gen_overlapped"] += round_.seconds
+    if round_ is None:
+        round_ = draw_round(run, prompts, copies)
+        with run.timer("gen"):
+            generate_round(run.sampler or run.rollouts, round_, params, run.accelerator.autocast)
+    return score_round(run, round_)
 
 
 def collect(run: Run) -> tuple[list[Rollout], list[Rollout], dict[str, int]]:
@@ -207,7 +245,7 @@ def collect(run: Run) -> tuple[list[Rollout], list[Rollout], dict[str, int]]:
     wanted = ro.prompts_per_step * ro.num_samples
     for _ in range(ro.max_sampling_rounds if ro.dynamic_sampling else 1):
         needed = run.ranks.round_up(ro.prompts_per_step - len(informative) // ro.num_samples)
-        samples, failed = generate_and_score(run, next_prompts(run, needed), params, ro.num_samples)
+        samples, failed = generate_and_score(run, needed, params, ro.num_samples)
         generated += samples
         failures = {k: failures.get(k, 0) + n for k, n in failed.items()}
         if not ro.dynamic_sampling:
@@ -405,11 +443,29 @@ def zero_advantage_groups(samples: list[Rollout]) -> dict[str, float]:
     return {"rollout/zero_adv_groups": sum(len(s) == 1 for s in scores.values()) / len(scores)}
 
 
+def prefetch_next(run: Run, index: int) -> None:
+    """rollout.overlap: sync the idle sampler to the policy's weights (the ``index`` steps done so far), then launch
+    the next step's first round on it in the thread; this step trains on while it generates."""
+    ro = run.cfg.rollout
+    assert run.prefetch is not None and run.sampler is not None
+    if run.sampler_version != index:
+        with run.timer("sync"):
+            run.sampler.sync_weights(run.accelerator.unwrap_model(run.actor.model))
+        run.sampler_version = index
+    round_ = draw_round(run, run.ranks.round_up(ro.prompts_per_step), ro.num_samples)
+    params, sampler, autocast = SamplingParams.from_rollout(ro), run.sampler, run.accelerator.autocast
+    run.prefetch.launch(round_, lambda r: generate_round(sampler, r, params, autocast))
+
+
 def step(run: Run, index: int) -> StepResult:
     """One RL step: the phases above, in order."""
     ro = run.cfg.rollout
+    if run.prefetch is None:
+        run.sampler_version = index  # the policy itself generates (or vLLM, synced after every update)
     with run.timer("step"):
         samples, generated, failures = collect(run)
+        if run.prefetch is not None and index + 1 < run.total_steps:
+            prefetch_next(run, index)
         batch = to_batch(run, samples)
         metrics, advantages = score_batch(run, batch)
         update_metrics, trainer_logprobs = update_models(run, batch, index)
@@ -417,6 +473,7 @@ def step(run: Run, index: int) -> StepResult:
     kept = informative_samples(samples, ro.num_samples) if ro.dynamic_sampling else len(samples)
     metrics.update(batch_metrics(samples, generated, failures, kept))
     metrics.update(mismatch(run.ranks, batch, trainer_logprobs, ro.is_threshold))
+    metrics["rollout/staleness"] = sum(index - s.version for s in samples) / len(samples)  # steps behind the policy
     timing = run.timer.pop()
     tokens = sum(len(s.prompt_ids) + len(s.completion.token_ids) for s in generated)
     metrics.update(timing)
@@ -454,6 +511,7 @@ def trace_rows(
         rows.append(
             {
                 "step": step_index,
+                "policy_version": s.version,
                 "group": s.group,
                 "source": s.example.get("source"),
                 "prompt": s.example["prompt_text"],

@@ -1,0 +1,92 @@
+"""Overlapped generation (``rollout.overlap``): step k+1's rollouts are generated while step k trains.
+
+One step off-policy, as AReaL's and verl's one-step-off schedules::
+
+    main thread    | take k (wait) | sync sampler <- W_k | launch k+1 | score, passes, update W_k -> W_k+1 | take k+1
+    sampler thread                                      | generate k+1 on W_k .......................|
+
+- the sampler is a copy of the policy (``rollout.hf.CopyBackend``); it is synced only while no generation runs
+  (after the pending round was taken), so the update never races it, and it samples from its own generator.
+- what is shared state stays on the main thread: the prompt order (``LoopState.cursor``) and the group ids are
+  drawn when a round is launched (``phases.draw_round``), scoring and every collective (the gathers over processes)
+  run after it is taken. The thread only generates.
+- each round carries the version of the weights that generated it (``Round.version``: the steps done when the
+  sampler was last synced), and the sampler's log-probs come back with every completion: the trainer's importance-
+  sampling correction and the mismatch metrics (``rollout/logprob_diff_*``, ``rollout/ratio_over_cap``) measure and
+  correct the staleness, as they do for vLLM's precision mismatch.
+- a checkpoint taken while a round is pending records the prompt cursor and group id from before that round
+  (``rewind``): a resumed run draws the same prompts again, and generates its first step from the checkpoint's
+  weights (the weights one step older are not saved).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Round:
+    """One generation round: this rank's share of the round's prompts (each repeated ``copies`` times) with their
+    group ids, the weights' version that generates it, and once generated, the sampler's output."""
+
+    examples: list[dict]
+    groups: list[int]
+    version: int
+    rewind: dict[str, Any]  # LoopState's cursor, group and epoch before this round drew its prompts
+    completions: list[Any] = field(default_factory=list)
+    finals: list[str | None] = field(default_factory=list)
+    seen: list[dict] = field(default_factory=list)  # the examples as rewards see them (multi-turn: with the episode)
+    seconds: float = 0.0  # generation time (in the thread: hidden behind the update)
+
+
+def generate_round(rollouts: Any, round_: Round, params: Any, autocast: Callable[[], Any]) -> Round:
+    """Generate the round's samples with ``rollouts`` (in this thread's autocast: its state is per thread)."""
+    start = time.perf_counter()
+    with autocast():
+        round_.completions, round_.finals, round_.seen = rollouts.generate(round_.examples, params)
+    round_.seconds = time.perf_counter() - start
+    return round_
+
+
+class Prefetch:
+    """At most one round generating in a daemon thread (a hung environment step must not keep the process alive at
+    exit, which an executor's joined worker would); ``take`` waits for it and re-raises what it raised."""
+
+    def __init__(self) -> None:
+        self.pending: tuple[Round, Future] | None = None
+
+    def launch(self, round_: Round, generate: Callable[[Round], Round]) -> None:
+        assert self.pending is None, "one round in flight at a time"
+        future: Future = Future()
+
+        def work() -> None:
+            try:
+                future.set_result(generate(round_))
+            except BaseException as exc:  # re-raised on the main thread by take()
+                future.set_exception(exc)
+
+        threading.Thread(target=work, daemon=True, name="rollout-overlap").start()
+        self.pending = (round_, future)
+
+    def take(self) -> Round | None:
+        """The pending round once generated (None if none was launched)."""
+        if self.pending is None:
+            return None
+        _, future = self.pending
+        self.pending = None
+        return future.result()
+
+    def rewind(self) -> dict[str, Any]:
+        """LoopState fields as they were before the pending round drew its prompts ({} when none is pending)."""
+        return {} if self.pending is None else dict(self.pending[0].rewind)
+
+    def wait(self) -> None:
+        """Let a pending round finish (its result is dropped): before the sampler is closed at the end of a run."""
+        if self.pending is not None:
+            self.pending[1].exception()
+            self.pending = None
