@@ -1,5 +1,6 @@
 """The WebUI's Evaluate tab and the Train tab's reward editor, in headless Chromium (helpers and fixtures from
-test_webui), then their logic without a browser: options, before/after targets, adding rewards and their errors."""
+tests/webui_browser.py), then their logic without a browser: options, before/after targets, adding rewards and their
+errors."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from tests import test_webui as ui
+from tests import webui_browser as kit
 from tests.conftest import ROOT, run_cli
-from tests.test_webui import blank_form, box, choose, expect
+from tests.webui_browser import blank_form, box, choose, expect, grid, grid_rows
 
 from rlfactory.errors import UserError
 
-app_url, browser, page = ui.app_url, ui.browser, ui.page  # test_webui's fixtures: the served app, Chromium, a page
+app_url, browser, page = kit.app_url, kit.browser, kit.page  # the fixtures: the served app, Chromium, a page
 TOOL_MODEL = ROOT / "data" / "models" / "tiny-arith-tools"
 BREVITY = '''def words(prompt, completion, answer, example):
     return float(len(completion.split()))
@@ -32,18 +33,6 @@ def _tool_run(workdir: Path) -> Path:
             "evaluation: {dataset: arith_tool_prompts_test, max_new_tokens: 80, tools: [calculator]}\n"
         )
     return run
-
-
-def _rows(page, elem_id: str):
-    """The body rows of a Gradio Dataframe (a virtual grid of role=row elements)."""
-    return page.locator(f"#{elem_id} .virtual-row[role=row]")
-
-
-def _grid(page, elem_id: str) -> list[dict[str, str]]:
-    """A Gradio Dataframe's rows as {header: cell text}."""
-    headers = page.locator(f"#{elem_id} th[role=columnheader]").evaluate_all("hs => hs.map(h => h.title)")
-    rows = [row.locator("[role=gridcell]").all_inner_texts() for row in _rows(page, elem_id).all()]
-    return [dict(zip(headers, (c.strip() for c in cells), strict=True)) for cells in rows]
 
 
 @pytest.mark.slow
@@ -76,8 +65,8 @@ def test_evaluate_tab_shows_what_rlfactory_eval_reports(page, app_url):
         for name, value in data["metrics"].items():
             expect(report.locator(f'td[data-metric="{name}"][data-run="{run}"]')).to_have_text(f"{value:.4f}")
     rows = [json.loads(line) for line in (workdir / "cli-eval" / "samples.jsonl").read_text().splitlines()]
-    expect(_rows(page, "eval-traces")).to_have_count(8)
-    shown = _grid(page, "eval-traces")
+    expect(grid_rows(page, "eval-traces")).to_have_count(8)
+    shown = grid(page, "eval-traces")
     assert [(r["after completion"], r["after score"]) for r in shown] == [
         (row["completion"], f"{row['score']:g}") for row in rows
     ]
@@ -109,8 +98,8 @@ def test_reward_editor_builds_and_tests_a_two_part_reward(page, app_url):
     message = page.locator("#reward-test-message")
     scored = "4 sample(s) scored by answer_match x1, rewards/brevity.py:words x0.5"
     expect(message).to_contain_text(scored, timeout=120_000)
-    expect(_rows(page, "reward-test-table")).to_have_count(4)
-    for cells in _grid(page, "reward-test-table"):
+    expect(grid_rows(page, "reward-test-table")).to_have_count(4)
+    for cells in grid(page, "reward-test-table"):
         words = float(len(cells["completion"].split()))
         assert float(cells["words"]) == words
         assert float(cells["answer_match"]) in (0.0, 1.0)
