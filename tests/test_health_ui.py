@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from tests import webui_browser as kit
 from tests.conftest import DATA_DIR, ROOT, TINY_MODEL, run_cli, write_yaml
-from tests.webui_browser import box, choose, expect, load_yaml
+from tests.webui_browser import box, choose, expect, load_yaml, shot
 
 from rlfactory.engine.health import HEALTH_RULES
 
@@ -163,6 +163,7 @@ def test_an_alert_in_the_panel_opens_the_rollouts_it_points_to(page, app_url):
     first = trace[0]["segments"][0][0]
     expect(samples.locator("del.masked").first).to_have_text(first)
     expect(box(page, "rollout-step")).to_have_value("step 2")
+    shot(page, "health.png", between=(page.locator("#monitor-status"), samples))
 
 
 @pytest.mark.slow

@@ -447,6 +447,7 @@ def test_start_page_offers_the_examples_and_the_picker_fills_the_model(page, app
     need = table.get_by_role("row").filter(has_text="examples/dpo/qwen2.5_0.5b_lora.yaml")
     expect(need).to_contain_text("needs Qwen/Qwen2.5-0.5B-Instruct in the Hugging Face cache")
     expect(table.get_by_role("row").filter(has_text="examples/quickstart/pipeline.yaml")).to_contain_text("sft → grpo")
+    shot(page, "start.png", between=(None, page.locator("#gallery-overwrite")))  # the cards
     page.locator("#gallery-open-grpo").click()
     expect(page.locator("#train-message")).to_contain_text("loaded examples/quickstart/grpo.yaml", timeout=30_000)
     expect(box(page, "field-stage")).to_have_value("grpo")

@@ -4,6 +4,7 @@ errors."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 from tests import webui_browser as kit
 from tests.conftest import ROOT, run_cli
-from tests.webui_browser import blank_form, box, choose, expect, grid, grid_rows
+from tests.webui_browser import blank_form, box, choose, expect, grid, grid_rows, shot
 
 from rlfactory.errors import UserError
 
@@ -64,12 +65,57 @@ def test_evaluate_tab_shows_what_rlfactory_eval_reports(page, app_url):
     for run, data in (("after", after), ("before", before)):
         for name, value in data["metrics"].items():
             expect(report.locator(f'td[data-metric="{name}"][data-run="{run}"]')).to_have_text(f"{value:.4f}")
+    shot(page, "evaluate.png", between=(None, report))
     rows = [json.loads(line) for line in (workdir / "cli-eval" / "samples.jsonl").read_text().splitlines()]
     expect(grid_rows(page, "eval-traces")).to_have_count(8)
     shown = grid(page, "eval-traces")
     assert [(r["after completion"], r["after score"]) for r in shown] == [
         (row["completion"], f"{row['score']:g}") for row in rows
     ]
+
+
+def _eval_processes(out: Path) -> list:
+    """The `rlfactory eval` processes writing into ``out`` (found by their command line)."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        with contextlib.suppress(psutil.Error):  # ended meanwhile
+            if "eval" in cmdline and str(out.resolve()) in cmdline and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+    return found
+
+
+def test_a_reloaded_page_reattaches_to_the_evaluation_going_on(page, app_url):
+    """Start an evaluation (greedy, every held-out prompt: minutes), reload the page: the Evaluate tab shows it going
+    on with the settings it was started with, and its Stop, with the form changed since, ends the command's
+    process; no report is written (issue 16's reattach, for Evaluate)."""
+    _, workdir = app_url
+    _tool_run(workdir)
+    out = "outputs/eval/reattach"
+    page.get_by_role("tab", name="Evaluate").click()
+    choose(page, "eval-model", "outputs/tools-run")
+    box(page, "eval-max-new").fill("40")
+    box(page, "eval-out").fill(out)
+    page.locator("#eval-run").click()
+    status = page.locator("#eval-status")
+    expect(status).to_contain_text("evaluating", timeout=60_000)
+    assert _eval_processes(workdir / out), "the evaluation's command is not running"
+
+    page.reload()
+    expect(page.locator("#gallery-start-sft")).to_be_visible(timeout=30_000)
+    page.get_by_role("tab", name="Evaluate").click()
+    expect(status).to_contain_text("reattached", timeout=30_000)
+    expect(status).to_contain_text("evaluating (after, 1/1) `outputs/tools-run`", timeout=30_000)  # the timer's
+    expect(box(page, "eval-model")).to_have_value("outputs/tools-run")
+    expect(box(page, "eval-out")).to_have_value(out)
+    expect(box(page, "eval-max-new")).to_have_value("40")
+    box(page, "eval-out").fill("outputs/eval/something-else")  # Stop follows the job, not the form
+    page.locator("#eval-stop").click()
+    expect(status).to_contain_text("stopped", timeout=30_000)
+    assert not _eval_processes(workdir / out)
+    assert not (workdir / out / "report.json").exists()
 
 
 def test_reward_editor_builds_and_tests_a_two_part_reward(page, app_url):

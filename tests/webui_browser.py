@@ -227,14 +227,16 @@ def start_run(page) -> None:
 
 def shot(page, name: str, height: int | None = None, *, between: tuple | None = None) -> None:
     """Screenshot to docs/images/: the whole page, its top ``height`` pixels, or the band of the page from the top of
-    one element to the bottom of another (``between=(first, last)``, two locators), the page's full width."""
+    one element to the bottom of another (``between=(first, last)``, two locators; first None: the page's top), the
+    page's full width."""
     IMAGES.mkdir(parents=True, exist_ok=True)
     width = page.viewport_size["width"]
     clip = {"x": 0, "y": 0, "width": width, "height": height} if height else None
     if between:
         scroll = page.evaluate("window.scrollY")  # bounding boxes are relative to the viewport; the clip to the page
-        top, bottom = between[0].bounding_box(), between[1].bounding_box()
-        y = max(top["y"] + scroll - 8, 0)
+        first, last = between
+        y = max(first.bounding_box()["y"] + scroll - 8, 0) if first is not None else 0
+        bottom = last.bounding_box()
         clip = {"x": 0, "y": y, "width": width, "height": bottom["y"] + scroll + bottom["height"] + 8 - y}
     page.screenshot(path=str(IMAGES / name), full_page=True, clip=clip)
 

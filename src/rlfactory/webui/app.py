@@ -64,8 +64,10 @@ def build_app() -> Any:
         app.load(train.model_picker.on_refresh, None, train.model_picker.pick)
         # Chat and Export list runs trained since: when a run's row changes (it finished), on "refresh runs",
         # and when their tab opens
+        app.load(evaluate.on_load, None, evaluate.reattach_outputs())  # its list, and an evaluation going on
         for page, tab in ((chat_page, chat), (export_page, export), (evaluate_page, evaluate)):
-            app.load(tab.on_refresh, None, tab.path)
+            if tab is not evaluate:
+                app.load(tab.on_refresh, None, tab.path)
             monitor.runs.change(tab.on_refresh, None, tab.path, show_progress="hidden")
             monitor.refresh_btn.click(tab.on_refresh, None, tab.path)
             page.select(tab.on_refresh, None, tab.path)
