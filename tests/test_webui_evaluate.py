@@ -88,14 +88,16 @@ def _eval_processes(out: Path) -> list:
 
 
 def test_a_reloaded_page_reattaches_to_the_evaluation_going_on(page, app_url):
-    """Start an evaluation (greedy, every held-out prompt: minutes), reload the page: the Evaluate tab shows it going
-    on with the settings it was started with, and its Stop, with the form changed since, ends the command's
+    """Start an evaluation (every held-out prompt sampled 8 times: minutes), reload the page: the Evaluate tab shows
+    it going on with the settings it was started with, and its Stop, with the form changed since, ends the command's
     process; no report is written (issue 16's reattach, for Evaluate)."""
     _, workdir = app_url
     _tool_run(workdir)
     out = "outputs/eval/reattach"
     page.get_by_role("tab", name="Evaluate").click()
     choose(page, "eval-model", "outputs/tools-run")
+    page.locator("#eval-mode").get_by_text("sampled").click()
+    box(page, "eval-k").fill("8")
     box(page, "eval-max-new").fill("40")
     box(page, "eval-out").fill(out)
     page.locator("#eval-run").click()
@@ -107,10 +109,11 @@ def test_a_reloaded_page_reattaches_to_the_evaluation_going_on(page, app_url):
     expect(page.locator("#gallery-start-sft")).to_be_visible(timeout=30_000)
     page.get_by_role("tab", name="Evaluate").click()
     expect(status).to_contain_text("reattached", timeout=30_000)
-    expect(status).to_contain_text("evaluating (after, 1/1) `outputs/tools-run`", timeout=30_000)  # the timer's
+    expect(status).to_contain_text("evaluating (after, 1/1) outputs/tools-run", timeout=30_000)
     expect(box(page, "eval-model")).to_have_value("outputs/tools-run")
     expect(box(page, "eval-out")).to_have_value(out)
     expect(box(page, "eval-max-new")).to_have_value("40")
+    expect(box(page, "eval-k")).to_have_value("8")
     box(page, "eval-out").fill("outputs/eval/something-else")  # Stop follows the job, not the form
     page.locator("#eval-stop").click()
     expect(status).to_contain_text("stopped", timeout=30_000)

@@ -7,7 +7,7 @@ from typing import Any
 import gradio as gr
 
 from rlfactory.errors import UserError
-from rlfactory.webui import evaluation, preview
+from rlfactory.webui import evaluation, preview, workspace
 from rlfactory.webui.chat_tab import model_choices, model_dropdown
 from rlfactory.webui.train_tab import error_md
 
@@ -87,7 +87,10 @@ class EvaluateTab:
         after, rows = results["after"]
         before, before_rows = results.get("before", (None, None))
         headers, table = evaluation.trace_rows(rows, before_rows)
-        written = ", ".join(f"`{c.out}`" for c in job.commands)
+        root = workspace.current().root  # the folders as the page names paths: inside the workspace, relative
+        written = ", ".join(
+            f"`{c.out.relative_to(root) if c.out.is_relative_to(root) else c.out}`" for c in job.commands
+        )
         return [
             f"✓ evaluated: {len(rows)} completion(s); report.json and samples.jsonl in {written}",
             evaluation.report_html(after, before),
