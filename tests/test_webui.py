@@ -429,8 +429,19 @@ def test_monitor_shows_an_rl_run_readably(page, app_url):
     expect(charts.filter(has_text="KL to the reference")).to_be_visible()
     expect(charts.filter(has_text="phase timings").locator(".rf-legend-item")).to_have_count(len(timings))
     assert legend_labels(charts.filter(has_text="phase timings")) == (timings, [])
+    lines = charts.filter(has_text="phase timings").evaluate(
+        "c => [...c.querySelectorAll('g.mark-line path')].map(p => p.getAttribute('stroke'))"
+        ".concat([...c.querySelectorAll('.rf-legend-item i')].map(i => i.style.background))"
+    )  # the lines' colours, then the legend's dots (rgb())
+    drawn, dots = lines[: len(timings)], [_rgb(color) for color in lines[len(timings) :]]
+    assert len(lines) == 2 * len(timings) and sorted(drawn) == sorted(dots) and len(set(dots)) == len(timings)
     assert columns_out_of_view(table, ("completion", "reward", "advantage", "reward/tool_format")) == []
     expect(table).to_contain_text("0.354")
+
+
+def _rgb(css: str) -> str:
+    """A CSS rgb() colour as the #rrggbb hex Vega writes."""
+    return "#" + "".join(f"{int(v):02x}" for v in css.strip("rgb() ").split(","))
 
 
 def test_start_page_offers_the_examples_and_the_picker_fills_the_model(page, app_url):
