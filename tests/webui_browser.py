@@ -2,8 +2,9 @@
 test_health_ui.py): the app served as a subprocess from a scratch folder, headless Chromium, a page opened on the
 Train tab, the form helpers, layout checks measured in the page, and screenshots to docs/images/.
 
-Import the fixtures by name into a test module (``from tests.webui_browser import app_url, browser, page``): each
-module gets its own server (module scope), so pytest-xdist can spread the files over workers.
+A test module binds the fixtures by name (``app_url, browser, page = kit.app_url, kit.browser, kit.page``: an
+assignment, so the linter does not take the tests' parameters for redefined imports); each module gets its own
+server (module scope), so pytest-xdist can spread the files over workers.
 The browser tests need /usr/bin/chromium (`.ci/run` installs it) and the `webui` + `dev` extras (gradio,
 playwright); without them they skip and say why.
 """
@@ -75,7 +76,7 @@ def _kill_leftover_runs(workdir: Path) -> None:
             runner.kill_tree(int(state["pid"]), grace_s=2)
 
 
-def browser_stack():
+def _browser_stack():
     """The Playwright sync API, or a skip with the reason (only the browser tests need these)."""
     if not Path(CHROMIUM).is_file():
         pytest.skip(f"{CHROMIUM} not found: install it (apt-get install -y chromium) to run the browser tests")
@@ -149,7 +150,7 @@ def app_url(tmp_path_factory: pytest.TempPathFactory):
     """The WebUI served from a scratch folder (examples/ and data/ linked in, so they resolve outside the
     workspace: the WebUI is told it may read them with --allow-read), with a hub cache of its own that holds one
     model (HUB_MODEL)."""
-    browser_stack()
+    _browser_stack()
     workdir = tmp_path_factory.mktemp("webui")
     for name in ("examples", "data"):
         (workdir / name).symlink_to(ROOT / name)
@@ -162,7 +163,7 @@ def app_url(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def browser():
-    sync_api = browser_stack()
+    sync_api = _browser_stack()
     with sync_api.sync_playwright() as playwright:
         chromium = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=BROWSER_ARGS)
         yield chromium
