@@ -3,7 +3,7 @@ opens (the samples its rule points to, reward parts, the loss mask), and the mem
 The two browser tests take 35-40 s each on a busy 2-core machine (a WebUI start, and the grpo run: about 15 s).
 
 First the parts without a browser (the trace's token parts against the loss mask, the picks, the markers), then a
-real Chromium on the WebUI (the fixtures of tests/test_webui.py): a short grpo run built to trip the truncation rule,
+real Chromium on the WebUI (the fixtures of tests/webui_browser.py): a short grpo run built to trip the truncation rule,
 its alert clicked, the rollout it points to shown; and `rlfactory plan` on the form.
 """
 
@@ -13,10 +13,13 @@ import json
 from pathlib import Path
 
 import pytest
+from tests import webui_browser as kit
 from tests.conftest import DATA_DIR, ROOT, TINY_MODEL, run_cli, write_yaml
-from tests.test_webui import app_url, box, browser, choose, expect, load_yaml, page  # noqa: F401
+from tests.webui_browser import box, choose, expect, load_yaml, shot
 
 from rlfactory.engine.health import HEALTH_RULES
+
+app_url, browser, page = kit.app_url, kit.browser, kit.page  # the fixtures: the served app, Chromium, a page
 
 
 # --------------------------------------------------------------------------- the trace's token parts
@@ -131,13 +134,13 @@ def truncating_run(output_dir: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_an_alert_in_the_panel_opens_the_rollouts_it_points_to(page, app_url):  # noqa: F811
+def test_an_alert_in_the_panel_opens_the_rollouts_it_points_to(page, app_url):
     """A real run trips truncation at step 2: the panel lists the alert, the response-length charts carry its
     marker, and clicking it opens step 2's trace at the cut samples, their tokens struck out of the loss."""
     _, workdir = app_url
     out = workdir / "outputs" / "truncating"
-    cfg = truncating_run(out)
-    result = run_cli("train", str(write_yaml(workdir / "truncating.yaml", cfg)))
+    cfg = truncating_run(out.relative_to(workdir))  # run in the workspace: the page names it as outputs/truncating
+    result = run_cli("train", str(write_yaml(workdir / "truncating.yaml", cfg)), cwd=workdir)
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(p.name for p in (out / "rollouts").iterdir()) == ["step_00001.jsonl", "step_00002.jsonl"]
     trace = [json.loads(line) for line in (out / "rollouts" / "step_00002.jsonl").open()]
@@ -160,10 +163,11 @@ def test_an_alert_in_the_panel_opens_the_rollouts_it_points_to(page, app_url):  
     first = trace[0]["segments"][0][0]
     expect(samples.locator("del.masked").first).to_have_text(first)
     expect(box(page, "rollout-step")).to_have_value("step 2")
+    shot(page, "health.png", between=(page.locator("#monitor-status"), samples.locator(".rf-sample").nth(1)))
 
 
 @pytest.mark.slow
-def test_the_estimate_next_to_start_is_rlfactory_plan(page, app_url, monkeypatch: pytest.MonkeyPatch):  # noqa: F811
+def test_the_estimate_next_to_start_is_rlfactory_plan(page, app_url, monkeypatch: pytest.MonkeyPatch):
     """The form's config through the plan's own code: on 1 GiB the grpo quickstart does not fit and the change that
     makes it fit is shown; on 80 GiB it fits; the peak is the one `plan_runs` gives for the same YAML."""
     from rlfactory.config.loader import load_config

@@ -2,10 +2,9 @@
 Stop (process tree gone, checkpoint kept) -> resume -> Export; bad values -> a clear error in the page; Chat.
 Then the parts without a browser: schema -> form, YAML round trip, monitor readers, tool calls, CLI options.
 
-The app runs as a subprocess (``python -m rlfactory webui``) in a scratch folder that links examples/
-and data/, so its outputs/ never touch the repository. Each tab is screenshotted to docs/images/.
-The browser tests need /usr/bin/chromium (`.ci/run` installs it) and the `webui` + `dev` extras
-(gradio, playwright); without them they skip and say why.
+The served app, the browser and the page helpers are tests/webui_browser.py's (the app runs as a subprocess in a
+scratch folder that links examples/ and data/, so its outputs/ never touch the repository). Each tab is
+screenshotted to docs/images/.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import contextlib
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,205 +24,38 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tests import webui_browser as kit
 from tests.conftest import DATA_DIR, ROOT, TINY_MODEL
+from tests.webui_browser import (
+    HUB_MODEL,
+    RUN_TIMEOUT_MS,
+    blank_form,
+    box,
+    choose,
+    columns_out_of_view,
+    expect,
+    free_port,
+    grid,
+    legend_labels,
+    load_yaml,
+    make_hub_cache,
+    open_section,
+    run_state,
+    serve,
+    set_field,
+    shot,
+    start_run,
+    wait_http,
+)
 
 from rlfactory.engine.run_dir import list_checkpoints
 from rlfactory.webui.security import AUTH_ENV
 
-try:
-    from playwright.sync_api import expect
-except ImportError:  # the browser tests skip; the others still run
-    expect = None
-
-CHROMIUM = "/usr/bin/chromium"
-BROWSER_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-IMAGES = ROOT / "docs" / "images"
+app_url, browser, page = kit.app_url, kit.browser, kit.page  # the fixtures: the served app, Chromium, a page
 QUICKSTART = "examples/quickstart/sft.yaml"
-RUN_TIMEOUT_MS = 150_000
-
-
-# --------------------------------------------------------------------------- fixtures
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_http(url: str, process: subprocess.Popen, timeout: float = 90) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the WebUI exited with code {process.returncode}")
-        try:
-            if urllib.request.urlopen(url, timeout=2).status == 200:
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(f"the WebUI did not answer at {url} within {timeout} s")
-
-
-def _kill_leftover_runs(workdir: Path) -> None:
-    from rlfactory.webui import runner
-
-    for state_file in (workdir / "outputs").rglob(runner.STATE_NAME):
-        state = json.loads(state_file.read_text())
-        if state.get("status") == "running" and state.get("pid"):
-            runner.kill_tree(int(state["pid"]), grace_s=2)
-
-
-def _browser_stack():
-    """The Playwright sync API, or a skip with the reason (only the browser tests need these)."""
-    if not Path(CHROMIUM).is_file():
-        pytest.skip(f"{CHROMIUM} not found: install it (apt-get install -y chromium) to run the browser tests")
-    pytest.importorskip("gradio", reason="the WebUI needs the webui extra (gradio)")
-    return pytest.importorskip("playwright.sync_api", reason="the browser tests need playwright (dev extra)")
-
-
-@contextlib.contextmanager
-def _serve(workdir: Path, *args: str, env: dict | None = None) -> typing.Iterator[str]:
-    """`rlfactory webui` on a free loopback port, run from ``workdir``; yields its URL."""
-    port = _free_port()
-    env = {
-        **os.environ,
-        "GRADIO_ANALYTICS_ENABLED": "False",
-        "HF_HUB_OFFLINE": "1",
-        "PYTHONPATH": str(ROOT / "src"),
-        **(env or {}),
-    }
-    env.pop(AUTH_ENV, None)
-    log = open(workdir / "webui.log", "w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "rlfactory", "webui", "--host", "127.0.0.1", "--port", str(port), *args],
-        cwd=workdir,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}/"
-    try:
-        _wait_http(url, process)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=20)
-        _kill_leftover_runs(workdir)
-        log.close()
-
-
-HUB_MODEL = "rlfactory-test/tiny-arith-plain"  # the bundled model as a hub model in the cache, without a template
-
-
-def make_hub_cache(cache: Path, repo_id: str, source: Path) -> Path:
-    """A Hugging Face hub cache holding ``source`` as ``repo_id`` at revision main, laid out as huggingface_hub
-    writes it (blobs by hash, snapshot links, refs/main), its tokenizer without a chat template. Returns the
-    snapshot folder."""
-    import hashlib
-
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    commit = hashlib.sha1(repo_id.encode()).hexdigest()
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (repo / "blobs").mkdir()
-    for file in sorted(source.iterdir()):
-        if file.name in ("chat_template.jinja", "README.md"):
-            continue
-        data = file.read_bytes()
-        if file.name == "tokenizer_config.json":
-            config = json.loads(data)
-            config.pop("chat_template", None)
-            data = json.dumps(config, indent=2).encode()
-        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.write_bytes(data)
-        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-    return snapshot
-
-
-@pytest.fixture(scope="module")
-def app_url(tmp_path_factory: pytest.TempPathFactory):
-    """The WebUI served from a scratch folder (examples/ and data/ linked in, so they resolve outside the
-    workspace: the WebUI is told it may read them with --allow-read), with a hub cache of its own that holds one
-    model (HUB_MODEL)."""
-    _browser_stack()
-    workdir = tmp_path_factory.mktemp("webui")
-    for name in ("examples", "data"):
-        (workdir / name).symlink_to(ROOT / name)
-    cache = tmp_path_factory.mktemp("hub")
-    make_hub_cache(cache, HUB_MODEL, TINY_MODEL)
-    allow = ["--allow-read", str(ROOT / "examples"), "--allow-read", str(ROOT / "data")]
-    with _serve(workdir, *allow, env={"HF_HUB_CACHE": str(cache)}) as url:
-        yield url, workdir
-
-
-@pytest.fixture(scope="module")
-def browser():
-    sync_api = _browser_stack()
-    with sync_api.sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=BROWSER_ARGS)
-        yield chromium
-        chromium.close()
-
-
-@pytest.fixture
-def page(browser, app_url):
-    url, _ = app_url
-    context = browser.new_context(viewport={"width": 1360, "height": 900})
-    page = context.new_page()
-    page.goto(url)
-    expect(page.locator("#gallery-start-sft")).to_be_visible(timeout=30_000)  # the page opens on Start
-    page.get_by_role("tab", name="Train").click()
-    expect(page.locator("#btn-start")).to_be_visible(timeout=30_000)
-    yield page
-    context.close()
 
 
 # --------------------------------------------------------------------------- page helpers
-def box(page, elem_id: str):
-    """The text/number input inside a Gradio component."""
-    return page.locator(f"#{elem_id}").locator("input, textarea").first
-
-
-def set_field(page, path: str, value) -> None:
-    """Fill a field; retry when a late form update (an example still loading) overwrote it."""
-    field = box(page, "field-" + path.replace(".", "-"))
-    for _ in range(4):
-        field.fill(str(value))
-        field.press("Tab")
-        try:
-            expect(field).to_have_value(str(value), timeout=3000)
-            return
-        except AssertionError:
-            page.wait_for_timeout(500)
-    expect(field).to_have_value(str(value))
-
-
-def open_section(page, name: str) -> None:
-    section = page.locator(f"#section-{name}")
-    if not section.locator("input, textarea").first.is_visible():
-        section.locator(".label-wrap").first.click()
-    expect(section.locator("input, textarea").first).to_be_visible()
-
-
-def load_yaml(page, path: str) -> None:
-    """Load a YAML into the form and wait until its values are in the fields (not only the message)."""
-    chooser = box(page, "load-path")
-    chooser.fill(path)
-    chooser.press("Enter")
-    page.locator("#btn-load").click()
-    expect(page.locator("#train-message")).to_contain_text(f"loaded {path}", timeout=20_000)
-    output_dir = yaml.safe_load((ROOT / path if not Path(path).is_absolute() else Path(path)).read_text())["output_dir"]
-    expect(box(page, "field-output_dir")).to_have_value(output_dir)
-
-
 def fill_quickstart(page, output_dir: str, max_steps: int) -> None:
     """The bundled quickstart, cut down to a few steps and a few held-out prompts."""
     load_yaml(page, QUICKSTART)
@@ -244,22 +75,6 @@ def fill_quickstart(page, output_dir: str, max_steps: int) -> None:
     for values in sections.values():
         for path, value in values.items():
             set_field(page, path, value)
-
-
-def start_run(page) -> None:
-    page.locator("#btn-start").click()
-    expect(page.locator("#monitor-status")).to_contain_text("running", timeout=60_000)
-
-
-def shot(page, name: str, height: int | None = None) -> None:
-    """Screenshot to docs/images/: the whole page, or its top ``height`` pixels."""
-    IMAGES.mkdir(parents=True, exist_ok=True)
-    clip = {"x": 0, "y": 0, "width": page.viewport_size["width"], "height": height} if height else None
-    page.screenshot(path=str(IMAGES / name), full_page=True, clip=clip)
-
-
-def run_state(workdir: Path, output_dir: str) -> dict:
-    return json.loads((workdir / output_dir / "webui_run.json").read_text())
 
 
 # --------------------------------------------------------------------------- tests
@@ -444,21 +259,6 @@ def test_opening_sections_of_a_blank_form_changes_nothing(page, app_url):
     expect(page.get_by_role("option").first).to_contain_text("examples/quickstart/pt.yaml")
 
 
-def choose(page, elem_id: str, value: str) -> None:
-    """Pick a dropdown value by typing it (Enter selects it)."""
-    chooser = box(page, elem_id)
-    chooser.fill(value)
-    chooser.press("Enter")
-
-
-def blank_form(page, stage: str, dataset: str, output_dir: str) -> None:
-    """What a new user types into the blank form first: stage, model, dataset, output_dir."""
-    choose(page, "field-stage", stage)
-    set_field(page, "model.name_or_path", TINY_MODEL)
-    choose(page, "field-data-dataset", dataset)
-    set_field(page, "output_dir", output_dir)
-
-
 def tiny_sft(page, output_dir: str, max_steps: int) -> None:
     """A few-step sft run on 16 rows, from the blank form."""
     blank_form(page, "sft", "arith_sft", output_dir)
@@ -596,14 +396,18 @@ def test_runs_list_opens_an_old_run(browser, app_url):
 
 
 def test_monitor_shows_an_rl_run_readably(page, app_url):
-    """An RL run's Monitor (issue 16, items 8 and 9): the KL to the reference has its chart; the rollouts table shows
-    the question without template tokens, and its reward and advantage columns are in view without scrolling."""
+    """An RL run's Monitor from a written log (issue 16, items 8 and 9; the grpo test from the Start page checks
+    the same on a real run): the KL to the reference has its chart, seven phase timings all have their legend
+    label inside the chart's box; the rollouts table shows the question without template tokens, and its completion,
+    reward and advantage columns are in view without scrolling."""
     _, workdir = app_url
     run = workdir / "outputs" / "old-grpo"
     (run / "rollouts").mkdir(parents=True)
     (run / "config.yaml").write_text("stage: grpo\ntrain:\n  max_steps: 2\n")
+    timings = ["gen", "reward", "ref", "old_logprob", "adv", "update_actor", "step"]
     records = [
         {"step": s, "actor/ppo_kl": 0.001 * s, "actor/kl_loss": 0.02 * s, "score/mean": 0.5, "eta_s": 2 - s}
+        | {f"timing_s/{name}": 0.1 * s for name in timings}
         for s in (1, 2)
     ]
     (run / "trainer_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -621,13 +425,23 @@ def test_monitor_shows_an_rl_run_readably(page, app_url):
     table = page.locator("#monitor-rollouts")
     expect(table).to_contain_text("How many pens?", timeout=30_000)
     expect(table).not_to_contain_text("im_start")
-    expect(page.locator("[id^=chart-]").filter(has_text="KL to the reference")).to_be_visible()
-    right = table.bounding_box()["x"] + table.bounding_box()["width"]
-    for header in ("reward", "advantage", "reward/tool_format"):
-        cell = table.locator("th").filter(has_text=header).last
-        expect(cell).to_be_visible()
-        assert cell.bounding_box()["x"] + cell.bounding_box()["width"] <= right + 1, f"{header} is out of view"
+    charts = page.locator("[id^=chart-]")
+    expect(charts.filter(has_text="KL to the reference")).to_be_visible()
+    expect(charts.filter(has_text="phase timings").locator(".rf-legend-item")).to_have_count(len(timings))
+    assert legend_labels(charts.filter(has_text="phase timings")) == (timings, [])
+    lines = charts.filter(has_text="phase timings").evaluate(
+        "c => [...c.querySelectorAll('g.mark-line path')].map(p => p.getAttribute('stroke'))"
+        ".concat([...c.querySelectorAll('.rf-legend-item i')].map(i => i.style.background))"
+    )  # the lines' colours, then the legend's dots (rgb())
+    drawn, dots = lines[: len(timings)], [_rgb(color) for color in lines[len(timings) :]]
+    assert len(lines) == 2 * len(timings) and sorted(drawn) == sorted(dots) and len(set(dots)) == len(timings)
+    assert columns_out_of_view(table, ("completion", "reward", "advantage", "reward/tool_format")) == []
     expect(table).to_contain_text("0.354")
+
+
+def _rgb(css: str) -> str:
+    """A CSS rgb() colour as the #rrggbb hex Vega writes."""
+    return "#" + "".join(f"{int(v):02x}" for v in css.strip("rgb() ").split(","))
 
 
 def test_start_page_offers_the_examples_and_the_picker_fills_the_model(page, app_url):
@@ -644,6 +458,7 @@ def test_start_page_offers_the_examples_and_the_picker_fills_the_model(page, app
     need = table.get_by_role("row").filter(has_text="examples/dpo/qwen2.5_0.5b_lora.yaml")
     expect(need).to_contain_text("needs Qwen/Qwen2.5-0.5B-Instruct in the Hugging Face cache")
     expect(table.get_by_role("row").filter(has_text="examples/quickstart/pipeline.yaml")).to_contain_text("sft → grpo")
+    shot(page, "start.png", between=(None, page.locator("#gallery-overwrite")))  # the cards
     page.locator("#gallery-open-grpo").click()
     expect(page.locator("#train-message")).to_contain_text("loaded examples/quickstart/grpo.yaml", timeout=30_000)
     expect(box(page, "field-stage")).to_have_value("grpo")
@@ -706,8 +521,14 @@ def test_pipeline_from_the_start_page_to_the_first_chart_point(page, app_url, ca
 @pytest.mark.slow
 def test_grpo_from_the_start_page_moves_its_progress_bar(page, app_url):
     """The GRPO quickstart opened from the Start page, cut to 2 small steps: the progress bar moves (issue 16, item
-    2: step 1/2 with an ETA during the run, 2/2 at the end); on this real run the KL to the reference has its chart
-    (item 8) and the rollouts table shows the question without template tokens, with reward and advantage (item 9)."""
+    2: step 1/2 with an ETA during the run, 2/2 at the end). On this real run's Monitor (item 8) the KL to the
+    reference has its chart, and every legend label of the reward-parts and timing charts (the log's keys) lies
+    inside its chart's box, measured in the page; (item 9) the rollouts table's completion, reward and advantage
+    columns lie inside the table's box (no horizontal scrolling), and each prompt cell shows its sample's question
+    without template tokens."""
+    import re
+
+    _, workdir = app_url
     page.get_by_role("tab", name="Start").click()
     page.locator("#gallery-open-grpo").click()
     expect(box(page, "field-stage")).to_have_value("grpo", timeout=30_000)
@@ -728,12 +549,28 @@ def test_grpo_from_the_start_page_moves_its_progress_bar(page, app_url):
     expect(progress).to_contain_text("ETA")
     expect(page.locator("#monitor-status")).to_contain_text("finished", timeout=RUN_TIMEOUT_MS)
     expect(progress).to_contain_text("step 2/2")
-    expect(page.locator("[id^=chart-]").filter(has_text="KL to the reference")).to_be_visible()
+    charts = page.locator("[id^=chart-]")
+    expect(charts.filter(has_text="KL to the reference")).to_be_visible()
+
+    run = workdir / "outputs/grpo-small"
+    keys = {key for line in (run / "trainer_log.jsonl").read_text().splitlines() for key in json.loads(line)}
+    parts = {m[1] for key in keys if (m := re.fullmatch(r"reward/(.+)/mean", key))}
+    timings = {key.removeprefix("timing_s/") for key in keys if key.startswith("timing_s/")}
+    assert len(parts) == 5 and len(timings) >= 6  # the quickstart's reward parts; gen, reward, ref, ...
+    for title, names in (("reward components", parts), ("phase timings (s)", timings)):
+        chart = charts.filter(has_text=title)
+        expect(chart.locator(".rf-legend-item")).to_have_count(len(names))
+        shown, cut = legend_labels(chart)
+        assert cut == [] and set(shown) == names, f"{title}: legend labels cut off: {cut}"
+
     table = page.locator("#monitor-rollouts")
     expect(table).to_contain_text("reward/answer_match")
-    expect(table).not_to_contain_text("im_start")
-    for header in ("reward", "advantage"):
-        expect(table.locator("th").filter(has_text=header).first).to_be_visible()
+    assert columns_out_of_view(table, ("prompt", "completion", "reward", "advantage")) == []
+    trace = [json.loads(line) for line in sorted((run / "rollouts").glob("step_*.jsonl"))[-1].open()]
+    prompts = [row["prompt"] for row in grid(page, "monitor-rollouts")]
+    questions = [re.findall(r"user\n(.*?)<\|im_end\|>", row["prompt"], re.DOTALL)[-1].strip() for row in trace]
+    assert prompts and not [cell for cell in prompts if "<|" in cell or "im_start" in cell], prompts[:2]
+    assert all(question in cell for question, cell in zip(questions, prompts, strict=False)), (questions, prompts)
 
 
 def test_chat_with_the_tiny_model(page):
@@ -862,7 +699,7 @@ def test_logins_are_throttled(tmp_path_factory: pytest.TempPathFactory):
     secret = workdir / "auth.txt"
     secret.write_text("admin:right-password\n")
     secret.chmod(0o600)
-    with _serve(workdir, "--auth-file", str(secret)) as url:
+    with serve(workdir, "--auth-file", str(secret)) as url:
         assert _get(url + "config", {}) == 401
         right, wrong = {"username": "admin", "password": "right-password"}, {"username": "admin", "password": "x"}
         codes = [_post(url + "login", wrong)[0] for _ in range(security.FREE_FAILURES)]
@@ -1181,7 +1018,7 @@ def test_webui_folder_serves_the_same_app_in_gradio_reload_mode(tmp_path: Path):
     gradio_cli = Path(sys.executable).with_name("gradio")
     if not gradio_cli.is_file():
         pytest.skip(f"no gradio command next to {sys.executable}")
-    port = _free_port()
+    port = free_port()
     (tmp_path / "examples").symlink_to(ROOT / "examples")  # the workspace's examples: the Start tab's cards
     options = ["--port", str(port), "--workspace", str(tmp_path), "--allow-read", str(ROOT / "examples")]
     command = [str(gradio_cli), "webui/app.py", "--", *options]
@@ -1193,7 +1030,7 @@ def test_webui_folder_serves_the_same_app_in_gradio_reload_mode(tmp_path: Path):
         )
     url = f"http://127.0.0.1:{port}/"
     try:
-        _wait_http(url, process)
+        wait_http(url, process)
         with urllib.request.urlopen(url + "config", timeout=20) as response:
             config = json.loads(response.read())
         ids = {component["props"].get("elem_id") for component in config["components"]}

@@ -1,20 +1,22 @@
 """The WebUI's Evaluate tab and the Train tab's reward editor, in headless Chromium (helpers and fixtures from
-test_webui), then their logic without a browser: options, before/after targets, adding rewards and their errors."""
+tests/webui_browser.py), then their logic without a browser: options, before/after targets, adding rewards and their
+errors."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
 
 import pytest
-from tests import test_webui as ui
+from tests import webui_browser as kit
 from tests.conftest import ROOT, run_cli
-from tests.test_webui import blank_form, box, choose, expect
+from tests.webui_browser import blank_form, box, choose, expect, grid, grid_rows, shot
 
 from rlfactory.errors import UserError
 
-app_url, browser, page = ui.app_url, ui.browser, ui.page  # test_webui's fixtures: the served app, Chromium, a page
+app_url, browser, page = kit.app_url, kit.browser, kit.page  # the fixtures: the served app, Chromium, a page
 TOOL_MODEL = ROOT / "data" / "models" / "tiny-arith-tools"
 BREVITY = '''def words(prompt, completion, answer, example):
     return float(len(completion.split()))
@@ -32,18 +34,6 @@ def _tool_run(workdir: Path) -> Path:
             "evaluation: {dataset: arith_tool_prompts_test, max_new_tokens: 80, tools: [calculator]}\n"
         )
     return run
-
-
-def _rows(page, elem_id: str):
-    """The body rows of a Gradio Dataframe (a virtual grid of role=row elements)."""
-    return page.locator(f"#{elem_id} .virtual-row[role=row]")
-
-
-def _grid(page, elem_id: str) -> list[dict[str, str]]:
-    """A Gradio Dataframe's rows as {header: cell text}."""
-    headers = page.locator(f"#{elem_id} th[role=columnheader]").evaluate_all("hs => hs.map(h => h.title)")
-    rows = [row.locator("[role=gridcell]").all_inner_texts() for row in _rows(page, elem_id).all()]
-    return [dict(zip(headers, (c.strip() for c in cells), strict=True)) for cells in rows]
 
 
 @pytest.mark.slow
@@ -75,12 +65,60 @@ def test_evaluate_tab_shows_what_rlfactory_eval_reports(page, app_url):
     for run, data in (("after", after), ("before", before)):
         for name, value in data["metrics"].items():
             expect(report.locator(f'td[data-metric="{name}"][data-run="{run}"]')).to_have_text(f"{value:.4f}")
+    shot(page, "evaluate.png", between=(None, report))
     rows = [json.loads(line) for line in (workdir / "cli-eval" / "samples.jsonl").read_text().splitlines()]
-    expect(_rows(page, "eval-traces")).to_have_count(8)
-    shown = _grid(page, "eval-traces")
+    expect(grid_rows(page, "eval-traces")).to_have_count(8)
+    shown = grid(page, "eval-traces")
     assert [(r["after completion"], r["after score"]) for r in shown] == [
         (row["completion"], f"{row['score']:g}") for row in rows
     ]
+
+
+def _eval_processes(out: Path) -> list:
+    """The `rlfactory eval` processes writing into ``out`` (found by their command line)."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        with contextlib.suppress(psutil.Error):  # ended meanwhile
+            if "eval" in cmdline and str(out.resolve()) in cmdline and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+    return found
+
+
+def test_a_reloaded_page_reattaches_to_the_evaluation_going_on(page, app_url):
+    """Start an evaluation (every held-out prompt sampled 8 times: minutes), reload the page: the Evaluate tab shows
+    it going on with the settings it was started with, and its Stop, with the form changed since, ends the command's
+    process; no report is written (issue 16's reattach, for Evaluate)."""
+    _, workdir = app_url
+    _tool_run(workdir)
+    out = "outputs/eval/reattach"
+    page.get_by_role("tab", name="Evaluate").click()
+    choose(page, "eval-model", "outputs/tools-run")
+    page.locator("#eval-mode").get_by_text("sampled").click()
+    box(page, "eval-k").fill("8")
+    box(page, "eval-max-new").fill("40")
+    box(page, "eval-out").fill(out)
+    page.locator("#eval-run").click()
+    status = page.locator("#eval-status")
+    expect(status).to_contain_text("evaluating", timeout=60_000)
+    assert _eval_processes(workdir / out), "the evaluation's command is not running"
+
+    page.reload()
+    expect(page.locator("#gallery-start-sft")).to_be_visible(timeout=30_000)
+    page.get_by_role("tab", name="Evaluate").click()
+    expect(status).to_contain_text("reattached", timeout=30_000)
+    expect(status).to_contain_text("evaluating (after, 1/1) outputs/tools-run", timeout=30_000)
+    expect(box(page, "eval-model")).to_have_value("outputs/tools-run")
+    expect(box(page, "eval-out")).to_have_value(out)
+    expect(box(page, "eval-max-new")).to_have_value("40")
+    expect(box(page, "eval-k")).to_have_value("8")
+    box(page, "eval-out").fill("outputs/eval/something-else")  # Stop follows the job, not the form
+    page.locator("#eval-stop").click()
+    expect(status).to_contain_text("stopped", timeout=30_000)
+    assert not _eval_processes(workdir / out)
+    assert not (workdir / out / "report.json").exists()
 
 
 def test_reward_editor_builds_and_tests_a_two_part_reward(page, app_url):
@@ -109,8 +147,8 @@ def test_reward_editor_builds_and_tests_a_two_part_reward(page, app_url):
     message = page.locator("#reward-test-message")
     scored = "4 sample(s) scored by answer_match x1, rewards/brevity.py:words x0.5"
     expect(message).to_contain_text(scored, timeout=120_000)
-    expect(_rows(page, "reward-test-table")).to_have_count(4)
-    for cells in _grid(page, "reward-test-table"):
+    expect(grid_rows(page, "reward-test-table")).to_have_count(4)
+    for cells in grid(page, "reward-test-table"):
         words = float(len(cells["completion"].split()))
         assert float(cells["words"]) == words
         assert float(cells["answer_match"]) in (0.0, 1.0)

@@ -62,10 +62,12 @@ def build_app() -> Any:
         reattach = [*train.inputs, *train.stage_groups.values(), train.message, monitor.run, tabs]
         app.load(lambda: [*train.on_reattach(), _reattached_tab()], None, reattach)  # a run going on: its form
         app.load(train.model_picker.on_refresh, None, train.model_picker.pick)
+        app.load(evaluate.on_load, None, evaluate.reattach_outputs())  # its list, and an evaluation going on
         # Chat and Export list runs trained since: when a run's row changes (it finished), on "refresh runs",
         # and when their tab opens
         for page, tab in ((chat_page, chat), (export_page, export), (evaluate_page, evaluate)):
-            app.load(tab.on_refresh, None, tab.path)
+            if tab is not evaluate:
+                app.load(tab.on_refresh, None, tab.path)
             monitor.runs.change(tab.on_refresh, None, tab.path, show_progress="hidden")
             monitor.refresh_btn.click(tab.on_refresh, None, tab.path)
             page.select(tab.on_refresh, None, tab.path)

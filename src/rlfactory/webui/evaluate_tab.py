@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import gradio as gr
 
 from rlfactory.errors import UserError
-from rlfactory.webui import evaluation, preview
+from rlfactory.webui import evaluation, preview, workspace
 from rlfactory.webui.chat_tab import model_choices, model_dropdown
 from rlfactory.webui.train_tab import error_md
 
@@ -49,6 +48,8 @@ class EvaluateTab:
         self.status = gr.Markdown(elem_id="eval-status")
         self.report = gr.HTML(elem_id="eval-report")
         self.traces = gr.Dataframe(label="per-sample traces", visible=False, wrap=True, elem_id="eval-traces")
+        self.job = gr.State(None)  # the key of the evaluation this page follows (evaluation.EvalJob.key)
+        self.timer = gr.Timer(evaluation.POLL_S * 2)
 
     def request(self, path, dataset, metric, mode, k, temperature, max_samples, max_new, before, out) -> Any:
         sampled = mode == "sampled"
@@ -64,34 +65,63 @@ class EvaluateTab:
             before=bool(before),
         )
 
-    def on_run(self, *values: Any) -> Iterator[list[Any]]:
-        """Check, run (a status line while it runs), then the report and the traces."""
-        hidden = gr.Dataframe(visible=False)
+    def on_run(self, *values: Any) -> list[Any]:
+        """Check and start the evaluation in the server; the timer follows it (``on_tick``)."""
         try:
-            req = self.request(*values)
-            commands = evaluation.plan(req)
-            yield ["● starting `rlfactory eval`", "", hidden]
-            for line in evaluation.run(commands, evaluation.options(req)):
-                yield [line, gr.skip(), gr.skip()]
-            results = {c.label: evaluation.read_result(c.out) for c in commands}
+            job = evaluation.start(self.request(*values))
         except UserError as exc:
-            yield [error_md(exc), "", hidden]
-            return
+            return [error_md(exc), "", gr.Dataframe(visible=False), None]
+        return [job.line, "", gr.Dataframe(visible=False), job.key]
+
+    def on_tick(self, key: str | None) -> list[Any]:
+        """The followed evaluation's status line while it runs; at its end its report and traces (or its error),
+        and the page stops following it."""
+        job = evaluation.job(key)
+        if job is None:
+            return [gr.skip()] * 4
+        if not job.done:
+            return [job.line, gr.skip(), gr.skip(), key]
+        if job.error:
+            return [error_md(UserError(job.error)), "", gr.Dataframe(visible=False), None]
+        results = {c.label: evaluation.read_result(c.out) for c in job.commands}
         after, rows = results["after"]
         before, before_rows = results.get("before", (None, None))
         headers, table = evaluation.trace_rows(rows, before_rows)
-        written = ", ".join(f"`{c.out}`" for c in commands)
-        yield [
+        root = workspace.current().root  # the folders as the page names paths: inside the workspace, relative
+        written = ", ".join(
+            f"`{c.out.relative_to(root) if c.out.is_relative_to(root) else c.out}`" for c in job.commands
+        )
+        return [
             f"✓ evaluated: {len(rows)} completion(s); report.json and samples.jsonl in {written}",
             evaluation.report_html(after, before),
             gr.Dataframe(value=table, headers=headers, visible=True, wrap=True),
+            None,
         ]
 
-    def on_stop(self, *values: Any) -> str:
+    def on_stop(self, key: str | None, *values: Any) -> str:
+        """Stop the evaluation this page follows (started here or found on reload), else the form's."""
+        job = evaluation.job(key)
         try:
-            return evaluation.stop(evaluation.plan(self.request(*values)))
+            commands = job.commands if job and not job.done else evaluation.plan(self.request(*values))
         except UserError as exc:
             return error_md(exc)
+        return evaluation.stop(commands)
+
+    def on_load(self) -> list[Any]:
+        """A page opening: the model list, and an evaluation going on in this server reattached (its form
+        settings, its status; the timer follows it to its report and Stop stops it)."""
+        job = evaluation.live_job()
+        if job is None:
+            return [gr.Dropdown(choices=model_choices()), *[gr.skip()] * 9, gr.skip(), None]
+        req = job.request
+        sampled = req.samples > 1
+        form = [
+            gr.Dropdown(choices=model_choices(), value=req.path), req.dataset, req.metric,
+            "sampled" if sampled else "greedy", req.samples if sampled else gr.skip(),
+            req.temperature if req.temperature is not None else gr.skip(), _text(req.max_samples),
+            _text(req.max_new_tokens), req.before, req.out,
+        ]  # fmt: skip
+        return [*form, f"{job.line} · reattached: this page follows it again", job.key]
 
     def on_refresh(self) -> Any:
         return gr.Dropdown(choices=model_choices())
@@ -109,8 +139,19 @@ class EvaluateTab:
             self.before,
             self.out,
         ]
-        self.run_btn.click(self.on_run, inputs, [self.status, self.report, self.traces])
-        self.stop_btn.click(self.on_stop, inputs, self.status)
+        shown = [self.status, self.report, self.traces, self.job]
+        self.run_btn.click(self.on_run, inputs, shown)
+        self.timer.tick(self.on_tick, self.job, shown, show_progress="hidden")
+        self.stop_btn.click(self.on_stop, [self.job, *inputs], self.status)
+        self.inputs = inputs
+
+    def reattach_outputs(self) -> list[Any]:
+        """What ``on_load`` fills (the app calls it when a page opens)."""
+        return [*self.inputs, self.status, self.job]
+
+
+def _text(count: int | None) -> str:
+    return "" if count is None else str(count)
 
 
 def _count(text: Any, what: str) -> int | None:

@@ -2,9 +2,11 @@
 
 The page runs the CLI command itself (``python -m rlfactory eval PATH --out OUT ...``), as the Train tab runs
 ``rlfactory train``: one evaluation path, the numbers on the page are those of the ``report.json`` it writes, the
-server stays responsive, and Stop kills the process. "Before/after" runs it twice: on the run's output dir (after)
-and on the run's own ``config.yaml`` (before: ``rlfactory eval`` of a run YAML evaluates the model the run started
-from, base and adapters), with the same options, into ``OUT`` and ``OUT-before``.
+server stays responsive, and Stop kills the process. The commands run in a thread of the server (``start``), not in
+the page's event: a reloaded page or a second tab finds the evaluation going on (``live_job``), follows it to its
+report and can stop it, as the Train tab reattaches to a run. "Before/after" runs it twice: on the run's output dir
+(after) and on the run's own ``config.yaml`` (before: ``rlfactory eval`` of a run YAML evaluates the model the run
+started from, base and adapters), with the same options, into ``OUT`` and ``OUT-before``.
 
 Every path is checked against the workspace first (``webui.workspace``); everything else (dataset, metric, sampling
 options) is checked by the command, whose one-line error the page shows.
@@ -17,9 +19,10 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +172,66 @@ def run(commands: list[EvalCommand], options_: list[str]) -> Iterator[str]:
             raise UserError(f"stopped: `rlfactory eval {command.target}` was ended before it wrote its report")
         if process.returncode != 0:
             raise UserError(f"{command.label}: `rlfactory eval {command.target}` failed: {last_error(log)}")
+
+
+@dataclass
+class EvalJob:
+    """One evaluation going on (or ended) in this server: its request, its commands, the latest status line, and
+    at the end its error (None: the reports are in the commands' folders)."""
+
+    request: EvalRequest
+    commands: list[EvalCommand]
+    line: str = "● starting `rlfactory eval`"
+    error: str | None = None
+    done: bool = False
+    started: float = field(default_factory=time.time)
+
+    @property
+    def key(self) -> str:
+        """How a page names the job it follows: the folder of the model's report."""
+        return str(self.commands[-1].out)
+
+
+_JOBS: dict[str, EvalJob] = {}  # key -> job, the latest per output folder
+_JOBS_LOCK = threading.Lock()
+
+
+def start(req: EvalRequest) -> EvalJob:
+    """Plan ``req`` and run its commands in a thread of the server; refused while an evaluation into the same
+    folder is going on."""
+    commands = plan(req)
+    job = EvalJob(req, commands)
+    with _JOBS_LOCK:
+        earlier = _JOBS.get(job.key)
+        if earlier is not None and not earlier.done:
+            raise UserError(f"output folder: an evaluation into '{job.key}' is going on; Stop it or wait for it")
+        _JOBS[job.key] = job
+    threading.Thread(target=_work, args=(job,), name=f"eval {job.key}", daemon=True).start()
+    return job
+
+
+def _work(job: EvalJob) -> None:
+    try:
+        for line in run(job.commands, options(job.request)):
+            job.line = line
+    except UserError as exc:
+        job.error = str(exc)
+    except Exception as exc:  # noqa: BLE001  (the page shows it; the server goes on)
+        job.error = f"the evaluation failed: {type(exc).__name__}: {exc}"
+    finally:
+        job.done = True
+
+
+def job(key: str | None) -> EvalJob | None:
+    with _JOBS_LOCK:
+        return _JOBS.get(key) if key else None
+
+
+def live_job() -> EvalJob | None:
+    """The newest evaluation still going on in this server (a reloaded page or a second tab follows it)."""
+    with _JOBS_LOCK:
+        going = [j for j in _JOBS.values() if not j.done]
+    return max(going, key=lambda j: j.started) if going else None
 
 
 def stop(commands: list[EvalCommand]) -> str:

@@ -16,6 +16,9 @@ from rlfactory.webui.train_tab import error_md, stop_message
 TICK_S = 1.0
 CHARTS_PER_ROW = 3
 ROLLOUT_WIDTHS = ["30%", "34%"]  # prompt, completion; the numeric columns share the rest
+# Vega's own category colours; an alert's marker is red
+PALETTE = ("#4c78a8", "#f58518", "#54a24b", "#b279a2", "#72b7b2", "#eeca3b", "#9d755d", "#ff9da6", "#bab0ac")
+ALERT_COLOR = "#e45756"
 
 
 def _progress_html(fraction: float, line: str) -> str:
@@ -23,6 +26,27 @@ def _progress_html(fraction: float, line: str) -> str:
         f'<div class="rf-progress"><div class="rf-progress-bar" style="width:{fraction * 100:.1f}%"></div></div>'
         f'<div class="rf-progress-text">{html.escape(line)}</div>'
     )
+
+
+def series_colors(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """Each series' colour, in the order the series first appear (alert markers red): the chart draws its lines
+    with these and the legend under it names them."""
+    names = list(dict.fromkeys(str(row["series"]) for row in rows))
+    plain = [name for name in names if not name.startswith("⚠")]
+    colors = {name: PALETTE[index % len(PALETTE)] for index, name in enumerate(plain)}
+    return {name: colors.get(name, ALERT_COLOR) for name in names}
+
+
+def legend_html(colors: dict[str, str]) -> str:
+    """The chart's legend as HTML that wraps: Vega's own (Gradio puts it below the chart on one line) ran past a
+    third-of-the-page chart's edge with the five reward parts or the seven phase timings of a grpo run."""
+    item = (
+        '<span class="rf-legend-item" style="white-space:nowrap">'
+        '<i style="display:inline-block;width:10px;height:10px;border-radius:50%;margin-right:4px;background:{}"></i>'
+        "{}</span>"
+    )
+    items = "".join(item.format(color, html.escape(name)) for name, color in colors.items())
+    return f'<div class="rf-legend" style="display:flex;flex-wrap:wrap;gap:2px 14px;font-size:12px">{items}</div>'
 
 
 def _runs_table() -> pd.DataFrame:
@@ -44,14 +68,17 @@ class MonitorTab:
         self.status = gr.Markdown("pick a run, or press Start on the Train tab", elem_id="monitor-status")
         self.progress = gr.HTML(elem_id="monitor-progress")
         self.health = HealthPanel()
-        self.charts = []
+        self.charts: list[tuple[gr.Column, gr.LinePlot, gr.HTML]] = []  # each chart: its box, plot and legend
         for start in range(0, monitor.MAX_CHARTS, CHARTS_PER_ROW):
             with gr.Row():
                 for index in range(start, min(start + CHARTS_PER_ROW, monitor.MAX_CHARTS)):
-                    plot = gr.LinePlot(
-                        x="step", y="value", color="series", visible=False, elem_id=f"chart-{index}", height=240
-                    )
-                    self.charts.append(plot)
+                    with gr.Column(visible=False, elem_id=f"chart-{index}", min_width=160) as column:
+                        plot = gr.LinePlot(
+                            x="step", y="value", color="series", colors_in_legend=[], elem_id=f"plot-{index}",
+                            height=240,
+                        )  # fmt: skip
+                        legend = gr.HTML(elem_id=f"legend-{index}")
+                    self.charts.append((column, plot, legend))
         self.log = gr.Textbox(
             label="console log (tail)", lines=12, max_lines=12, autoscroll=True, elem_id="monitor-log"
         )
@@ -62,8 +89,9 @@ class MonitorTab:
         self.timer = gr.Timer(TICK_S)
 
     def outputs(self) -> list[Any]:
+        charts = [part for chart in self.charts for part in chart]
         return [
-            self.status, self.progress, *self.charts, self.log, self.rollouts, self.runs, self.fingerprint,
+            self.status, self.progress, *charts, self.log, self.rollouts, self.runs, self.fingerprint,
             *self.health.outputs(),
         ]  # fmt: skip
 
@@ -85,9 +113,11 @@ class MonitorTab:
         for index in range(monitor.MAX_CHARTS):
             if index < len(charts):
                 title, rows = charts[index]
-                plots.append(gr.LinePlot(value=pd.DataFrame(rows), label=title, title=title, visible=True))
+                colors = series_colors(rows)
+                plot = gr.LinePlot(value=pd.DataFrame(rows), label=title, title=title, color_map=colors)
+                plots += [gr.Column(visible=True), plot, legend_html(colors)]
             else:
-                plots.append(gr.LinePlot(visible=False))
+                plots += [gr.Column(visible=False), gr.skip(), gr.skip()]
         name, rollout_rows = monitor.rollouts(run)
         rollouts = (
             gr.Dataframe(
