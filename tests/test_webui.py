@@ -1040,3 +1040,40 @@ def test_webui_folder_serves_the_same_app_in_gradio_reload_mode(tmp_path: Path):
     finally:
         os.killpg(process.pid, signal.SIGTERM)  # gradio's command and the app it runs
         process.wait(timeout=20)
+
+
+def test_launch_waits_for_a_slow_first_answer_from_its_own_url():
+    """Gradio refuses to start when its local URL does not answer one 3 s request (a busy machine's first request);
+    the app's check keeps asking: a server whose first answer takes 4 s passes it, gradio's own check does not."""
+    import http.server
+    import threading
+
+    from gradio import networking
+
+    from rlfactory.webui.app import _patient_localhost_check
+
+    class SlowFirst(http.server.BaseHTTPRequestHandler):
+        answered = 0
+
+        def do_HEAD(self) -> None:
+            if SlowFirst.answered == 0:
+                time.sleep(4)
+            SlowFirst.answered += 1
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SlowFirst)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/"
+    original = networking.url_ok
+    try:
+        assert getattr(original, "__wrapped__", original)(url) is False  # gradio's check: one 3 s timeout, gives up
+        SlowFirst.answered = 0
+        _patient_localhost_check(seconds=30)
+        assert networking.url_ok(url) is True
+    finally:
+        networking.url_ok = original
+        server.shutdown()

@@ -102,6 +102,7 @@ def serve(
     logging.getLogger("httpx").setLevel(logging.WARNING)
     app = app or build_app()
     app.queue(default_concurrency_limit=4)
+    _patient_localhost_check()
     app.launch(
         server_name=host,
         server_port=port,
@@ -113,3 +114,26 @@ def serve(
         footer_links=["gradio"],
         app_kwargs={"middleware": [Middleware(security.Guard)]},
     )
+
+
+def _patient_localhost_check(seconds: float = 60) -> None:
+    """Gradio's launch checks that its own local URL answers (``gradio.networking.url_ok``) and refuses to start
+    otherwise; that check gives up after one 3 s request times out, which the first request of a busy machine can
+    exceed (seen with load average 8 on 2 cores). Keep asking for up to ``seconds`` instead: a server that never
+    answers still fails the same way. Gradio offers no setting for this, hence the wrapper."""
+    import time
+
+    from gradio import networking
+
+    once = getattr(networking.url_ok, "__wrapped__", networking.url_ok)
+
+    def url_ok(url: str) -> bool:
+        deadline = time.monotonic() + seconds
+        while not once(url):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(1)
+        return True
+
+    url_ok.__wrapped__ = once  # type: ignore[attr-defined]
+    networking.url_ok = url_ok
