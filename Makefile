@@ -58,16 +58,19 @@ test: $(STAMP)
 # pytest-xdist: TEST_WORKERS processes share the tests (each torch with one thread: no oversubscription); 2 on the
 # 2-core CI machine took the suite from 31 to 23 minutes. TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
+# hand tests out two at a time, in the order conftest.py sorts them (files with minutes-long tests first): xdist's
+# default chunks of a quarter of the suite let a worker end on a long test while the other idles
+XDIST_ORDER := $(if $(filter 0,$(TEST_WORKERS)),,--maxschedchunk 2)
 test-main: $(STAMP)
-	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not long"
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(XDIST_ORDER) -m "not long"
 
 # the learning comparisons marked `long` (tens of minutes): run them when their code changes
 test-long: $(STAMP)
-	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m long
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(XDIST_ORDER) -m long
 
 # the main suite without the end-to-end training runs marked `slow` (minutes instead of tens of minutes)
 test-fast: $(STAMP)
-	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow and not vllm and not long"
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(XDIST_ORDER) -m "not slow and not vllm and not long"
 
 # one small KV cache (GiB) per engine; passive OpenMP threads on a shared 2-core machine
 test-vllm: $(VLLM_STAMP)
