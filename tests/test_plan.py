@@ -191,7 +191,11 @@ def test_estimate_against_a_real_cpu_run(tmp_path):
     """pt packs the corpus into full blocks, so a micro-batch holds exactly batch x cutoff_len tokens, as the estimate
     assumes. The process's peak RSS is mostly Python, torch and the data (~0.4 GiB), the same at any batch size: the
     estimate's growth from micro-batch 4 to 64 (activations, backward's working memory, the head) is compared with
-    the measured growth of the peak (within 15%: 1135 MiB estimated; measured 1241 and 1273 MiB in two runs)."""
+    the measured growth of the peak (1135 MiB estimated; measured 1241, 1252, 1273 and 1315 MiB in four runs, so
+    within 20%: the allocator's peak at micro-batch 64 moves by ~70 MiB between runs; the GPU check is 15%)."""
+    # a first run builds the datasets cache of the corpus (its peak was 764 MiB against 521 MiB with the cache in
+    # one suite run): warm it, so both measured runs read the cache
+    _peak_rss_mib(tmp_path / "warm-up", 4)
     small, large = (_peak_rss_mib(tmp_path, batch) for batch in (4, 64))
     pt = ROOT / "examples/quickstart/pt.yaml"
     configs = [load_config(pt, [f"train.per_device_batch_size={b}", *PT_RUN]) for b in (4, 64)]
@@ -199,7 +203,7 @@ def test_estimate_against_a_real_cpu_run(tmp_path):
     estimated = (estimates[1].peak - estimates[0].peak) / 2**20
     measured = large - small
     print(f"peak RSS {small:.0f} -> {large:.0f} MiB; growth measured {measured:.0f}, estimated {estimated:.0f} MiB")
-    assert abs(estimated - measured) <= 0.15 * measured, (small, large, measured, estimated)
+    assert abs(estimated - measured) <= 0.20 * measured, (small, large, measured, estimated)
 
 
 def test_suggestions_are_re_estimates(tmp_path):
