@@ -37,11 +37,27 @@ def trained_tools_file(tmp_path: Path) -> Path:
     return path
 
 
-def _controlling_terminal_with_sigint_ignored() -> None:
-    """Make the pty the child's terminal, and start it with SIGINT ignored as CI's background job does: the
-    chat must take Ctrl-C over itself (Python keeps an inherited SIG_IGN instead of raising KeyboardInterrupt)."""
+def _controlling_terminal_with_sigint_ignored_and_blocked() -> None:
+    """Make the pty the child's terminal, and start it with SIGINT ignored and blocked, as launchers may leave it
+    (a background job of a non-interactive shell ignores it; CI's runner blocks it): the chat must take Ctrl-C over
+    itself (Python keeps an inherited SIG_IGN, and a blocked signal stays pending while input() waits)."""
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
+def _signal_state(pid: int) -> str:
+    """The child's signal masks per thread (hex: pending, blocked, ignored, caught), for a failure message."""
+    lines = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        try:
+            status = (task / "status").read_text().splitlines()
+        except OSError:
+            continue
+        fields = {k: v.strip() for k, _, v in (line.partition(":") for line in status)}
+        masks = " ".join(f"{k}={fields.get(k)}" for k in ("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt"))
+        lines.append(f"  thread {task.name} ({fields.get('Name')}): {masks}")
+    return "\n".join(lines)
 
 
 class Terminal:
@@ -53,7 +69,7 @@ class Terminal:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rlfactory", "chat", *args],
             stdin=slave, stdout=slave, stderr=slave, cwd=ROOT, env=env,
-            start_new_session=True, preexec_fn=_controlling_terminal_with_sigint_ignored,
+            start_new_session=True, preexec_fn=_controlling_terminal_with_sigint_ignored_and_blocked,
         )  # fmt: skip
         os.close(slave)
         fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 250, 0, 0))  # wide: readline shows whole lines
@@ -68,7 +84,14 @@ class Terminal:
                 self.seen = match.end()
                 return match
             left = deadline - time.monotonic()
-            assert left > 0 and self.proc.poll() is None, f"no {pattern!r} in:\n{self.text[-3000:]}"
+            if left <= 0 or self.proc.poll() is not None:
+                try:
+                    state = f"tty foreground group {os.tcgetpgrp(self.master)}, chat pid {self.proc.pid}"
+                except OSError as exc:
+                    state = f"tty foreground group unknown ({exc}), chat pid {self.proc.pid}"
+                raise AssertionError(
+                    f"no {pattern!r} in:\n{self.text[-3000:]}\n{state}\n{_signal_state(self.proc.pid)}"
+                )
             if select.select([self.master], [], [], min(left, 1.0))[0]:
                 try:
                     chunk = os.read(self.master, 4096)

@@ -296,3 +296,29 @@ def test_eval_shards_cover_every_example_once_and_run_the_same_number_of_batches
     counted = sorted(x for shard in shards for items, weight in shard if weight for x in items)
     assert counted == list(range(10))
     assert shards[1][-1] == ([0, 1], 0.0)
+
+
+STOP_SIGNALS_WITH_A_BLOCKED_MASK = """
+import os, signal, time
+from rlfactory.engine.shared import StopSignals
+
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})  # as a launcher may hand them down
+with StopSignals() as stop:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.1)
+    print("during", stop.signum, sorted(map(int, signal.pthread_sigmask(signal.SIG_BLOCK, []))))
+print("after", sorted(map(int, signal.pthread_sigmask(signal.SIG_BLOCK, []))))
+"""
+
+
+def test_stop_signals_arrive_when_the_launcher_blocked_them():
+    """A run started with SIGINT/SIGTERM blocked still stops at a step on either (they would otherwise wait, pending,
+    until the run ended); the mask is the launcher's again afterwards."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run(
+        [sys.executable, "-c", STOP_SIGNALS_WITH_A_BLOCKED_MASK], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "SIGTERM: stopping after this step" in proc.stderr
+    blocked = [int(signal.SIGINT), int(signal.SIGTERM)]
+    assert proc.stdout.splitlines() == [f"during {int(signal.SIGTERM)} []", f"after {blocked}"]

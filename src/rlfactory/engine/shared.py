@@ -461,6 +461,7 @@ class StopSignals:
     def __init__(self) -> None:
         self.signum, self.when = 0, 0.0
         self._previous: dict[int, Any] = {}
+        self._previous_mask: set[signal.Signals] | None = None
 
     def _handle(self, signum: int, _frame: Any) -> None:
         if self.signum and time.monotonic() - self.when < self.REPEAT_S:
@@ -481,12 +482,18 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             for signum in self.SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
+            # a launcher may hand the signals down blocked (seen on CI): they would wait, pending, until the run ends
+            if hasattr(signal, "pthread_sigmask"):  # not on Windows
+                self._previous_mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, self.SIGNALS)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous.clear()
+        if self._previous_mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._previous_mask)
+            self._previous_mask = None
 
     def requested(self, accelerator: Accelerator) -> int:
         """The signal to stop for (0: none), the same on every process."""

@@ -344,8 +344,11 @@ def run_terminal(session: ChatSession, banner: str) -> int:
     printer = TerminalPrinter()
     printer.write(banner + "\n")
     # Ctrl-C is part of this UI, so take it even where the launcher left SIGINT ignored (a background job of a
-    # non-interactive shell does, and Python then keeps SIG_IGN instead of raising KeyboardInterrupt).
+    # non-interactive shell does, and Python then keeps SIG_IGN instead of raising KeyboardInterrupt) or blocked (an
+    # inherited signal mask: the signal then waits, pending, and input() never returns).
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    unblock = getattr(signal, "pthread_sigmask", None)  # not on Windows
+    previous_mask = unblock(signal.SIG_UNBLOCK, {signal.SIGINT}) if unblock else None
     try:
         while True:
             try:
@@ -374,6 +377,8 @@ def run_terminal(session: ChatSession, banner: str) -> int:
                     printer.line(ENDINGS["stopped"])
     finally:
         signal.signal(signal.SIGINT, previous)
+        if unblock:
+            unblock(signal.SIG_SETMASK, previous_mask)
         close_workers()
 
 
