@@ -288,11 +288,13 @@ def test_grpo_learns_on_the_bundled_task(tmp_path: Path):
     greedy accuracy on those problems go up within 20 steps (about a minute on 2 cores).
 
     Held-out accuracy barely moves in such a budget: the model's errors are arithmetic facts it has not learned,
-    and RL only sharpens what it can already sample (see the report of the quickstart pipeline)."""
+    and RL only sharpens what it can already sample (see the report of the quickstart pipeline). Updates are padded
+    (packing auto is off on CPU; with it on this took 290 s instead of 100 on CI): packed updates equal padded ones
+    to float64 precision (test_online_packing.py)."""
     cfg = grpo_config(
         tmp_path,
         data={"max_samples": 16},
-        rollout={"prompts_per_step": 16, "num_samples": 8, "max_response_len": 32, "packing": "on"},
+        rollout={"prompts_per_step": 16, "num_samples": 8, "max_response_len": 32},
         reward={"functions": {"answer_match": 1.0}},
         train={
             "max_steps": 20,
@@ -305,7 +307,6 @@ def test_grpo_learns_on_the_bundled_task(tmp_path: Path):
         logging={"rollout_trace_steps": None},
     )
     result = _train(tmp_path, cfg)
-    assert "micro-batches train as padding-free rows" in result.stderr  # it learns with packed updates
     out = Path(cfg["output_dir"])
     scores = [r["score/mean"] for r in read_log(out) if "score/mean" in r]
     first, last = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
