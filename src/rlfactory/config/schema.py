@@ -2,22 +2,30 @@
 
 It is the single source of truth for YAML parsing, ``key.sub=value`` CLI overrides, the JSON
 schema behind the WebUI forms and the reference docs (``rlfactory config docs``). Each section
-is one class; stage-specific sections are accepted only for their stage. The online stages' sections live in
-``online_schema.py``.
+is one class; stage-specific sections are accepted only for their stage. The sections live in ``model_schema.py``
+(model, lora, freeze, quantization), ``train_schema.py`` (data, train, logging, evaluation, distributed and the offline
+stages' own), ``online_schema.py`` (rollout, reward, algorithm, critic, agent) and ``health_schema.py``; this module
+gathers them into a run and a pipeline, and every section class can be imported from here.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rlfactory.config.base import Section, _as_list, _comma_list
+from rlfactory.config.base import Section
 from rlfactory.config.health_schema import HealthConfig
+from rlfactory.config.model_schema import (
+    QUANT_STAGES,
+    FreezeConfig,
+    LoraConfig,
+    ModelConfig,
+    QuantizationConfig,
+)
 from rlfactory.config.online_schema import (
     AgentConfig,
     AlgorithmConfig,
@@ -27,6 +35,26 @@ from rlfactory.config.online_schema import (
     ToolSpec,
     _tool_entries,
 )
+from rlfactory.config.train_schema import (
+    SHARDED_STRATEGIES,
+    DataConfig,
+    DistributedConfig,
+    DPOConfig,
+    EvaluationConfig,
+    KTOConfig,
+    LoggingConfig,
+    ORPOConfig,
+    RMConfig,
+    TrainConfig,
+)
+
+# every section class can be imported from here, as before the sections moved to their own modules
+__all__ = [
+    "STAGES", "STAGE_SECTIONS", "SECTION_CLASSES", "RunConfig", "PipelineConfig", "ModelConfig", "LoraConfig",
+    "FreezeConfig", "QuantizationConfig", "DataConfig", "TrainConfig", "LoggingConfig", "EvaluationConfig",
+    "DistributedConfig", "RMConfig", "DPOConfig", "KTOConfig", "ORPOConfig", "RolloutConfig", "RewardConfig",
+    "AlgorithmConfig", "CriticConfig", "AgentConfig", "HealthConfig", "ToolSpec",
+]  # fmt: skip
 
 Stage = Literal["pt", "sft", "rm", "dpo", "kto", "orpo", "ppo", "grpo"]
 
@@ -40,425 +68,6 @@ def _non_empty_dir(value: Any) -> Any:
 
 
 STAGES: tuple[str, ...] = ("pt", "sft", "rm", "dpo", "kto", "orpo", "ppo", "grpo")
-
-
-# --------------------------------------------------------------------------- shared sections
-QUANT_STAGES = ("pt", "sft", "dpo", "kto", "orpo", "grpo")  # the stages QLoRA is wired and tested for
-
-
-class QuantizationConfig(Section):
-    """QLoRA: the frozen base loaded in 4 or 8 bits (bitsandbytes, a CUDA GPU), LoRA adapters trained on top."""
-
-    bits: Literal[4, 8] = Field(4, description="4 (QLoRA's NF4/FP4) or 8 (LLM.int8) bits per base weight.")
-    quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4 bits: the data type (nf4 as in QLoRA, or fp4).")
-    double_quant: bool = Field(True, description="4 bits: also quantize the quantization constants (~0.4 bit/weight).")
-    compute_dtype: Literal["bfloat16", "float16", "float32"] = Field(
-        "bfloat16",
-        description="4 bits: the dtype the dequantized weights are multiplied in (and the dtype of the rest).",
-    )
-
-    @model_validator(mode="after")
-    def _four_bit_keys(self) -> QuantizationConfig:
-        """8 bits has no data type, double quantization or compute dtype: setting them would change nothing."""
-        given = sorted(self.model_fields_set & {"quant_type", "double_quant", "compute_dtype"})
-        if self.bits == 8 and given:
-            raise ValueError(f"{', '.join(given)}: for bits: 4 only; remove for 8-bit loading")
-        return self
-
-
-class ModelConfig(Section):
-    """Which model to start from and how it is loaded and trained."""
-
-    name_or_path: str | None = Field(
-        None,
-        description="Base model: a local directory or a Hugging Face hub id (must be in the local cache "
-        "when offline). Required unless `from_stage` is set.",
-    )
-    from_stage: str | None = Field(
-        None,
-        description="Pipelines only: start from the output of the earlier stage with this name "
-        "(its merged adapter or full weights).",
-    )
-    adapter_paths: list[str] = Field(
-        default_factory=list,
-        description="LoRA adapters to load and merge into the base model before training.",
-    )
-    template: str | None = Field(
-        None,
-        description="Chat template to use instead of the tokenizer's own (needed when the tokenizer has none): "
-        "a bundled name (chatml, llama3, gemma_tools), a Jinja file (`.jinja`, path relative to the working "
-        "directory), or the name of a template TRL ships in trl/chat_templates (e.g. qwen3, llama3_1, gemma3, "
-        "gptoss, qwen3_training). Every render is read back: a template that drops a message, tool call or "
-        "tool schema is refused; one that rewrites earlier turns trains each turn in its own context.",
-    )
-    finetuning: Literal["lora", "full", "freeze"] = Field(
-        "lora", description="What is trained: LoRA adapters, all weights, or only the last layers (freeze)."
-    )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto",
-        description="Weight dtype. auto: bfloat16 for LoRA on a GPU that supports it, else float32 "
-        "(full/freeze keep fp32 master weights and train under bf16 autocast on GPU).",
-    )
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = Field(
-        "sdpa", description="Attention kernel passed to transformers."
-    )
-    gradient_checkpointing: bool = Field(False, description="Trade compute for memory (recompute activations).")
-    liger_kernel: Literal["auto", "on", "off"] = Field(
-        "auto",
-        description="Liger's fused kernels (RMSNorm, SwiGLU, RoPE; fused linear cross-entropy). auto: its layer "
-        "kernels for full/freeze fine-tuning on CUDA when liger-kernel is installed and train.torch_compile is off, "
-        "and its fused cross-entropy as the kernel of the preference stages' chunked log-probs on CUDA (off: a "
-        "torch loop there).",
-    )
-    trust_remote_code: bool = Field(False, description="Allow custom model code shipped with the checkpoint.")
-    quantization: QuantizationConfig | None = Field(
-        None,
-        description="QLoRA: load the base quantized (keys bits, quant_type, double_quant, compute_dtype; see "
-        "`model.quantization` below). Needs finetuning: lora, a CUDA GPU and bitsandbytes (`pip install "
-        "'rlfactory[qlora]'`); with rollout.backend vllm the adapter alone is synced (lora_sync: adapter).",
-    )
-
-    _as_list_adapters = field_validator("adapter_paths", mode="before")(_as_list)
-
-    @model_validator(mode="after")
-    def _quantized(self) -> ModelConfig:
-        if self.quantization is None:
-            return self
-        if self.finetuning != "lora":
-            raise ValueError(
-                f"model.quantization: a quantized base cannot be trained with finetuning: {self.finetuning} (its "
-                "weights are frozen 4/8-bit tensors); use finetuning: lora, or remove model.quantization"
-            )
-        if self.adapter_paths:
-            raise ValueError(
-                "model.quantization with model.adapter_paths: merging an adapter into a quantized base rounds it "
-                "again; merge first (`rlfactory export ADAPTER --to DIR`) and set model.name_or_path: DIR"
-            )
-        return self
-
-
-LORA_INITS = ("gaussian", "orthogonal", "pissa", "olora")
-LORA_INITS_REFUSED = {
-    "eva": "EVA initialises from activations of training data (peft's initialize_lora_eva_weights); use pissa",
-    "corda": "CorDA needs a covariance pass over data first; use pissa",
-    "loftq": "LoftQ needs its own quantization config; use model.quantization with true or pissa",
-    "lora_ga": "LoRA-GA needs gradient estimates from data first; use pissa",
-    "mica": "MiCA freezes B, which the checkpoints do not expect; use pissa",
-}
-
-
-class LoraConfig(Section):
-    """LoRA adapters (peft), used when model.finetuning is lora: LoRA, DoRA, rsLoRA, PiSSA/OLoRA initialisation."""
-
-    r: int = Field(8, ge=1, description="LoRA rank.")
-    alpha: int = Field(16, ge=1, description="LoRA scaling numerator (scale = alpha / r).")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA branch.")
-    target_modules: str | list[str] = Field(
-        "all-linear",
-        description="Modules that get adapters: `all-linear` (or `all`) or a list such as [q_proj, v_proj] "
-        "(a comma-separated string works too).",
-    )
-    modules_to_save: list[str] = Field(
-        default_factory=list, description="Extra modules trained in full and saved with the adapter."
-    )
-    use_dora: bool = Field(
-        False,
-        description="DoRA: a trained magnitude per output and the LoRA update on the direction (peft use_dora); "
-        "slower steps. vLLM cannot serve DoRA adapters: with rollout.backend vllm set rollout.lora_sync: merged.",
-    )
-    use_rslora: bool = Field(False, description="rsLoRA: scale the update by alpha / sqrt(r) instead of alpha / r.")
-    init_lora_weights: bool | str = Field(
-        True,
-        description="How adapters start (peft init_lora_weights): true (B = 0, the model starts unchanged), false "
-        "(random A and B, for tests), gaussian, orthogonal (r even), pissa / pissa_niter_N (the top singular "
-        "directions of each weight, N fast-SVD iterations; the residual becomes the frozen base), olora (QR of each "
-        "weight, likewise). pissa and olora change the base weights: the saved adapter is converted to a plain LoRA "
-        "of rank 2r on the original base, a reference policy is a frozen copy, and vllm syncs merged weights.",
-    )
-
-    _names_modules = field_validator("modules_to_save", mode="before")(_comma_list)
-
-    @field_validator("init_lora_weights", mode="before")
-    @classmethod
-    def _init(cls, value: Any) -> Any:
-        """The initialisations that need nothing but the weights; peft's data-driven ones are refused by name."""
-        if isinstance(value, bool):
-            return value
-        text = str(value).strip().lower()
-        if text in ("true", "false"):
-            return text == "true"
-        if text in LORA_INITS or re.fullmatch(r"pissa_niter_\d+", text):
-            return text
-        if text in LORA_INITS_REFUSED:
-            raise ValueError(f"'{value}' is not supported: {LORA_INITS_REFUSED[text]}")
-        raise ValueError(
-            f"'{value}' is not an initialisation; use true, false, {', '.join(LORA_INITS)} or pissa_niter_N (N >= 0)"
-        )
-
-    @model_validator(mode="after")
-    def _combinations(self) -> LoraConfig:
-        if self.init_lora_weights == "orthogonal" and self.r % 2:
-            raise ValueError(f"init_lora_weights: orthogonal needs an even r (r is {self.r})")
-        if self.use_dora and self.changes_base():
-            raise ValueError(
-                f"use_dora with init_lora_weights: {self.init_lora_weights}: the trained adapter could not be "
-                "converted back to the original base (DoRA's magnitudes are not a low-rank difference; measured "
-                "wrong); use one of the two"
-            )
-        return self
-
-    def changes_base(self) -> bool:
-        """pissa / olora move part of each weight into the adapter: the frozen base is a residual, not the model."""
-        return isinstance(self.init_lora_weights, str) and self.init_lora_weights.startswith(("pissa", "olora"))
-
-    @field_validator("target_modules", mode="before")
-    @classmethod
-    def _all_linear(cls, value: Any) -> Any:
-        """`all` (LLaMA-Factory's name) is PEFT's `all-linear`; `q_proj,v_proj` is a list. One name without a comma
-        stays a string (PEFT reads a string as a regular expression)."""
-        names = _comma_list(value) if isinstance(value, str) and "," in value else value
-        if names in ("all", ["all"], ["all-linear"]):
-            return "all-linear"
-        if isinstance(names, list) and ("all" in names or "all-linear" in names):
-            raise ValueError("`all` / `all-linear` stands alone; give either it or a list of module names")
-        return names
-
-
-class FreezeConfig(Section):
-    """Freeze fine-tuning: only the last layers are trained."""
-
-    trainable_layers: int = Field(
-        2, ge=1, description="Freeze fine-tuning: how many of the last decoder layers are trained."
-    )
-    extra_modules: list[str] = Field(
-        default_factory=list, description="Name substrings of other modules to train too (e.g. [lm_head])."
-    )
-
-
-class DataConfig(Section):
-    """Datasets from the registry, and how they are rendered, cut and batched."""
-
-    dataset: list[str] = Field(
-        default_factory=list,
-        description="Training dataset name(s) from the registry (dataset_info.yaml or .json): a list, or names "
-        "separated by commas.",
-    )
-    eval_dataset: list[str] = Field(default_factory=list, description="Evaluation dataset name(s).")
-    eval_split: float = Field(
-        0.0, ge=0.0, lt=1.0, description="Fraction of the training data held out for eval when no eval_dataset."
-    )
-    dataset_dir: str | None = Field(
-        None, description="Folder holding dataset_info.yaml (default: ./data, else the bundled data/)."
-    )
-    cutoff_len: int = Field(
-        1024, ge=8, description="Maximum tokens per example (prompt + response); stage pt: the block length."
-    )
-    truncation: Literal["right", "drop"] = Field(
-        "right",
-        description="Examples longer than cutoff_len: `right` shortens them as LLaMA-Factory does (prompt and response "
-        "share the budget in proportion to their lengths; the prompt keeps its end, the response its start), `drop` "
-        "leaves them out. Either way every shortened or dropped example is counted in the log and by `config check`.",
-    )
-    train_on: Literal["assistant", "last_assistant", "all"] = Field(
-        "assistant",
-        description="Which tokens carry loss in SFT: every assistant turn, only the last one, or all tokens.",
-    )
-    packing: bool = Field(
-        False,
-        description="Padding-free batches: concatenate a micro-batch into one row with per-document "
-        "position ids, so documents never attend to each other and no pad tokens are computed. Stage pt always "
-        "packs its text into blocks of cutoff_len tokens.",
-    )
-    max_samples: int | None = Field(None, ge=1, description="Use at most this many rows per dataset.")
-    max_bad_rows: int = Field(
-        0, ge=0, description="How many malformed rows may be skipped (with a warning) before it is an error."
-    )
-    shuffle: bool = Field(True, description="Shuffle the training data every epoch (seeded).")
-
-    _as_list_ds = field_validator("dataset", "eval_dataset", mode="before")(_comma_list)
-
-
-class TrainConfig(Section):
-    """Optimisation: steps, batch sizes, learning rate, precision, evaluation and checkpoints."""
-
-    num_epochs: float = Field(1.0, gt=0, description="Passes over the training data (ignored if max_steps).")
-    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
-    per_device_batch_size: int = Field(4, ge=1, description="Micro-batch size per device (memory-bound).")
-    grad_accum_steps: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
-    learning_rate: float = Field(1e-4, gt=0, allow_inf_nan=False, description="Peak learning rate.")
-    lr_scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup", "cosine_with_min_lr"] = Field(
-        "cosine", description="Learning-rate schedule (transformers' get_scheduler)."
-    )
-    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0, description="Warmup as a fraction of total steps.")
-    warmup_steps: int = Field(0, ge=0, description="Warmup steps (overrides warmup_ratio when > 0).")
-    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay (not applied to biases/norms).")
-    adam_beta1: float = Field(0.9, gt=0, lt=1, description="AdamW beta1.")
-    adam_beta2: float = Field(0.999, gt=0, lt=1, description="AdamW beta2.")
-    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the gradient norm (null: no clipping).")
-    skip_nonfinite_steps: int = Field(
-        0,
-        ge=0,
-        description="A non-finite loss or gradient norm stops the run with a message (0, the default; nothing "
-        "non-finite is ever saved). N > 0: skip such an update instead (logged as skipped_steps), and stop only "
-        "after N skipped in a row.",
-    )
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
-        "auto", description="Autocast precision. auto: bf16 on a GPU that supports it, else none."
-    )
-    torch_compile: bool = Field(
-        False,
-        description="torch.compile each decoder layer, in every stage (the policy and critic of ppo/grpo too) and "
-        "sft's LM-head chunks on CUDA. Measured 1.5-2.1x faster on an H200 (docs/BENCHMARKS.md); the first steps pay "
-        "the compile time and a new sequence length can recompile once. With rollout.backend hf, generation runs "
-        "through the compiled layers as well.",
-    )
-    eval_steps: int | None = Field(None, ge=1, description="Evaluate every N steps (and always at the end).")
-    save_steps: int | None = Field(None, ge=1, description="Save a resumable checkpoint every N steps.")
-    save_total_limit: int | None = Field(2, ge=1, description="Keep only the last K checkpoints.")
-    deepspeed: str | None = Field(
-        None,
-        description='Path to your own DeepSpeed JSON config (used via Accelerate; "auto" values are filled from '
-        "this config). Instead of distributed.strategy zero2/zero3/zero3_offload, whose bundled configs it replaces.",
-    )
-
-
-class LoggingConfig(Section):
-    """trainer_log.jsonl, trackers, plots and progress bars."""
-
-    logging_steps: int = Field(1, ge=1, description="Write a trainer_log.jsonl line every N steps.")
-    report_to: list[Literal["none", "tensorboard", "wandb", "mlflow"]] = Field(
-        default_factory=lambda: ["none"], description="Experiment trackers (through Accelerate)."
-    )
-    plot_loss: bool = Field(True, description="Save loss.png in the output dir at the end.")
-    progress_bar: bool = Field(True, description="Show a progress bar.")
-    rollout_trace_steps: int | None = Field(
-        10,
-        ge=1,
-        description="ppo/grpo: every N steps (and at the first, and at a step where a health rule fired) write "
-        "rollouts/step_<5-digit step>.jsonl (prompts, completions, the response's trained/masked token runs, token "
-        "counts, rewards per component, advantages). null: never.",
-    )
-
-    _as_list_report = field_validator("report_to", mode="before")(_as_list)
-
-
-class EvaluationConfig(Section):
-    """Generation-based evaluation (accuracy on a prompt+answer set) before and after training."""
-
-    dataset: str | None = Field(None, description="Prompt+answer dataset to score (null: skip).")
-    metric: str = Field("answer_match", description="Reward function used as the score (1.0 = correct).")
-    max_samples: int = Field(100, ge=1, description="Score at most this many prompts.")
-    max_new_tokens: int = Field(64, ge=1, description="Generation budget per prompt.")
-    batch_size: int = Field(32, ge=1, description="Prompts generated at once.")
-    before_training: bool = Field(True, description="Also score the model before training, to show the gain.")
-    tools: list[ToolSpec] = Field(
-        default_factory=list,
-        description="Offline stages (sft, dpo, ...): score through the agent loop with these tools, as ppo/grpo "
-        "evaluate with theirs (greedy; the tool results are fed back and the last turn is scored), e.g. after SFT "
-        "on tool-call demonstrations. ppo/grpo evaluate with the run's `tools` and `agent`.",
-    )
-    max_turns: int = Field(3, ge=1, description="With `tools`: assistant turns per conversation at most.")
-    parser: str = Field("hermes", description="With `tools`: the tool-call format the model emits (as agent.parser).")
-
-    _tool_list = field_validator("tools", mode="before")(_tool_entries)
-
-
-STRATEGIES = ("ddp", "zero2", "zero3", "zero3_offload", "fsdp2")
-SHARDED_STRATEGIES = ("zero3", "zero3_offload", "fsdp2")  # no process holds the whole model after prepare
-
-
-class DistributedConfig(Section):
-    """Several processes (GPUs) on one or more nodes. `rlfactory train` starts them itself through torchrun
-    when `num_processes` (or `nnodes`) is above 1; under `torchrun` or `accelerate launch` this section's
-    launch keys are not used (the launcher's processes are). A pipeline is launched once: every stage must
-    have the same section (put it in `defaults`)."""
-
-    num_processes: int | Literal["auto"] = Field(
-        1,
-        description="Processes per node, one per GPU. auto: the number of visible GPUs (1 on CPU). The world "
-        "size is nnodes x num_processes; train.per_device_batch_size is per process.",
-    )
-    strategy: Literal["ddp", "zero2", "zero3", "zero3_offload", "fsdp2"] = Field(
-        "ddp",
-        description="ddp: a full copy per process (DistributedDataParallel). zero2: DeepSpeed ZeRO stage 2 "
-        "(optimizer state and gradients sharded). zero3: ZeRO stage 3 (weights sharded too). zero3_offload: "
-        "zero3 with weights and optimizer state in host memory. fsdp2: PyTorch FSDP2 (fully_shard) through "
-        "Accelerate. The DeepSpeed configs are bundled (rlfactory/engine/deepspeed/*.json; train.deepspeed "
-        "takes your own file instead). zero3, zero3_offload and fsdp2 save a normal Hugging Face directory "
-        "(full weights gathered, or the adapter).",
-    )
-    nnodes: int = Field(1, ge=1, description="Nodes (machines) in the run; run the same command on each.")
-    node_rank: int = Field(
-        0, ge=0, description="This node's index, 0 to nnodes-1 (give it per node: `distributed.node_rank=1`)."
-    )
-    master_addr: str | None = Field(
-        None, description="Address of node 0, reachable from every node. Required when nnodes > 1."
-    )
-    master_port: int | None = Field(
-        None,
-        ge=1,
-        le=65535,
-        description="A free TCP port on node 0 for the rendezvous. Required when nnodes > 1; on one node a free "
-        "port is picked (torchrun --standalone).",
-    )
-
-    @field_validator("num_processes")
-    @classmethod
-    def _positive(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and value < 1:
-            raise ValueError("must be at least 1 (or auto: one process per visible GPU)")
-        return value
-
-    @model_validator(mode="after")
-    def _nodes(self) -> DistributedConfig:
-        if self.node_rank >= self.nnodes:
-            raise ValueError(f"node_rank ({self.node_rank}) must be below nnodes ({self.nnodes})")
-        if self.nnodes > 1 and (self.master_addr is None or self.master_port is None):
-            raise ValueError(
-                "nnodes > 1 needs master_addr and master_port (node 0's address and a free port on it), "
-                "the same on every node"
-            )
-        return self
-
-
-# --------------------------------------------------------------------------- stage sections
-class RMConfig(Section):
-    """Reward modelling (Bradley-Terry on preference pairs)."""
-
-    margin_column: bool = Field(False, description="Use a per-pair `margin` column in the Bradley-Terry loss.")
-    center_rewards_coefficient: float | None = Field(
-        None, ge=0, description="Weight of the (r_chosen + r_rejected)^2 centering regulariser."
-    )
-
-
-class DPOConfig(Section):
-    """Direct preference optimisation and its variants."""
-
-    loss_type: str = Field("sigmoid", description="Preference loss: sigmoid, ipo, hinge, robust, simpo.")
-    beta: float = Field(0.1, gt=0, description="Inverse temperature of the implicit reward.")
-    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="cDPO / robust DPO label noise.")
-    simpo_gamma: float = Field(0.5, ge=0.0, description="SimPO target reward margin.")
-    sft_weight: float = Field(0.0, ge=0.0, description="RPO: weight of the NLL loss on chosen responses.")
-    precompute_ref_logps: bool = Field(
-        False, description="Compute reference log-probs once before training (frees the reference model)."
-    )
-    ref_model: str | None = Field(
-        None, description="Separate reference model path (default: adapter disabled, or a frozen copy)."
-    )
-
-
-class KTOConfig(Section):
-    """Kahneman-Tversky optimisation on unpaired desirable/undesirable examples."""
-
-    beta: float = Field(0.1, gt=0, description="KTO beta.")
-    desirable_weight: float = Field(1.0, gt=0, description="Weight of desirable examples.")
-    undesirable_weight: float = Field(1.0, gt=0, description="Weight of undesirable examples.")
-
-
-class ORPOConfig(Section):
-    """Odds-ratio preference optimisation (reference-free)."""
-
-    beta: float = Field(0.1, gt=0, description="Weight (lambda) of the odds-ratio term added to the NLL.")
 
 
 STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
