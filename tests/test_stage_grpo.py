@@ -306,7 +306,7 @@ def test_grpo_learns_on_the_bundled_task(tmp_path: Path):
         evaluation={"dataset": "arith_prompts", "max_samples": 16, "max_new_tokens": 32},
         logging={"rollout_trace_steps": None},
     )
-    result = _train(tmp_path, cfg)
+    _train(tmp_path, cfg)
     out = Path(cfg["output_dir"])
     scores = [r["score/mean"] for r in read_log(out) if "score/mean" in r]
     first, last = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
