@@ -41,6 +41,8 @@ CASES = {
         "ppo_epochs": 2,
     },
 }
+# the same with packed micro-batches (``rollout.packing: on``): each rank packs its own rows into padding-free rows
+CASES["gae_seq_sum_norm_packed"] = {**CASES["gae_seq_sum_norm"], "rollout": {"packing": "on"}}
 MAX_LEN = 12
 
 
@@ -98,13 +100,16 @@ def run_case(name: str, algorithm: dict, out: Path) -> None:
     from rlfactory.model.loader import load_model, load_tokenizer
     from rlfactory.model.value_head import load_value_model
 
+    algorithm = dict(algorithm)
+    rollout = {"prompts_per_step": 4, "num_samples": 2, "max_response_len": MAX_LEN, "mask_truncated": True}
+    rollout.update(algorithm.pop("rollout", {}))
     raw = {
         "stage": "grpo",
         "output_dir": str(out / name),
         "seed": 7,
         "model": {"name_or_path": str(ROOT / "data" / "models" / "tiny-arith"), "finetuning": "full"},
         "data": {"dataset": "arith_prompts"},
-        "rollout": {"prompts_per_step": 4, "num_samples": 2, "max_response_len": MAX_LEN, "mask_truncated": True},
+        "rollout": rollout,
         "reward": {"functions": {"answer_match": 1.0}},
         "algorithm": algorithm,
         # no clipping: the recorded gradients are the raw ones (clipping would hide a wrong scale, as AdamW does)
@@ -135,6 +140,7 @@ def run_case(name: str, algorithm: dict, out: Path) -> None:
     metrics.update(update_metrics)
     metrics["kl_coef_after"] = run.kl_ctrl.value
     metrics["rows"] = float(len(batch))
+    metrics["packed"] = float(run.actor.packing and (run.critic is None or run.critic.packing))
     every = run.ranks.gather_objects([metrics])
     if run.accelerator.is_main_process:
         after = trainable(run)

@@ -59,8 +59,9 @@ def train(cfg: dict, tmp_path: Path, *overrides: str, processes: int = 2) -> sub
 def test_an_update_on_fixed_rollouts_is_the_same_on_one_and_two_processes(tmp_path: Path):
     """tests/distributed_rl_update.py runs the real phases (to_batch, score_batch, update_models) on 8 fixed samples
     with grpo + token-mean + KL loss, reinforce_plus_plus (batch whitening) + seq-mean-token-mean, and gae (a
-    critic, batch whitening, the adaptive in-reward KL) + seq-mean-token-sum-norm, 2 optimizer steps each; on two
-    processes each rank trains 4 of the 8 rows.
+    critic, batch whitening, the adaptive in-reward KL) + seq-mean-token-sum-norm, that again with packed
+    micro-batches (``rollout.packing: on``), 2 optimizer steps each; on two processes each rank trains 4 of the 8
+    rows.
 
     Tolerances: the first step's gradient (after DDP's sync, unclipped; the parameters are still the initial ones)
     differs only by float32 rounding of sums taken in another order over differently trimmed micro-batches: within
@@ -78,7 +79,7 @@ def test_an_update_on_fixed_rollouts_is_the_same_on_one_and_two_processes(tmp_pa
     assert one.returncode == 0, one.stderr[-4000:]
     two = torchrun(script, str(tmp_path / "two"))
     assert two.returncode == 0, two.stderr[-4000:]
-    for case in ("grpo_token_mean", "rpp_seq_mean", "gae_seq_sum_norm"):
+    for case in ("grpo_token_mean", "rpp_seq_mean", "gae_seq_sum_norm", "gae_seq_sum_norm_packed"):
         a, b = (torch.load(tmp_path / run / f"{case}.pt") for run in ("one", "two"))
         assert a["grads"].keys() == b["grads"].keys()
         for step_key in sorted({".".join(k.split(".")[:2]) for k in a["grads"]}):  # policy.0, policy.1, critic.0, ...
@@ -93,6 +94,7 @@ def test_an_update_on_fixed_rollouts_is_the_same_on_one_and_two_processes(tmp_pa
         one_metrics, (rank0, rank1) = a["metrics"][0], b["metrics"]
         assert rank0 == rank1  # reduced over the ranks: the same numbers on both
         assert (one_metrics["rows"], rank0["rows"]) == (8, 4)
+        assert one_metrics["packed"] == rank0["packed"] == float(case.endswith("_packed"))
         for key, value in one_metrics.items():
             if not key.startswith("timing_s") and key != "rows":
                 assert rank0[key] == pytest.approx(value, rel=2e-4, abs=1e-6), (case, key)
