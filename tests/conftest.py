@@ -22,13 +22,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
-    """Run the real CLI in a subprocess (exit code, stdout and stderr as a user sees them)."""
+def run_cli(
+    *args: str, cwd: Path | None = None, timeout: float = 900, cold: bool = False
+) -> subprocess.CompletedProcess:
+    """Run the real CLI in its own process (exit code, stdout and stderr as a user sees them).
+
+    The process is forked from a warm one that imported torch, transformers and the project already
+    (``tests/cli_zygote.py``), one per environment; ``cold=True`` (or ``RLFACTORY_TEST_WARM_CLI=0``) starts a plain
+    ``python -m rlfactory`` instead, for what depends on a fresh interpreter (import times, lazy imports)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "rlfactory", *args],
-        cwd=cwd or ROOT, env=env, capture_output=True, text=True, timeout=timeout,
-    )
+    command = [sys.executable, "-m", "rlfactory", *args]
+    if not cold and os.environ.get("RLFACTORY_TEST_WARM_CLI", "1") != "0":
+        from tests.warm_cli import run_warm
+
+        result = run_warm(command, args, cwd or ROOT, env, timeout)
+        if result is not None:
+            return result
+    return subprocess.run(command, cwd=cwd or ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def write_yaml(path: Path, data: dict) -> Path:

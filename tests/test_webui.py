@@ -39,6 +39,7 @@ from tests.webui_browser import (
     legend_labels,
     load_yaml,
     make_hub_cache,
+    new_context,
     open_section,
     run_state,
     serve,
@@ -384,7 +385,7 @@ def test_runs_list_opens_an_old_run(browser, app_url):
     records = [{"step": s, "loss": 1.0 / s, "lr": 1e-4, "elapsed_s": s, "eta_s": 3 - s} for s in (1, 2, 3)]
     (old / "trainer_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (old / "run_summary.json").write_text(json.dumps({"output_dir": str(old), "saved_as": "adapter", "global_step": 3}))
-    context = browser.new_context(viewport={"width": 1360, "height": 900})
+    context = new_context(browser)
     page = context.new_page()
     page.goto(url)
     page.get_by_role("tab", name="Monitor").click()

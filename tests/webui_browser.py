@@ -33,6 +33,12 @@ try:
 except ImportError:  # the browser tests skip; the others still run
     expect = None
 
+# CI's 2 cores are shared by two test workers, one often training: a page's update can take far longer than
+# Playwright's defaults (5 s for an assertion, 30 s for an action) with nothing wrong; a real failure only takes longer
+ASSERT_TIMEOUT_MS, ACTION_TIMEOUT_MS = 20_000, 60_000
+if expect is not None:
+    expect.set_options(timeout=ASSERT_TIMEOUT_MS)
+
 CHROMIUM = "/usr/bin/chromium"
 BROWSER_ARGS = [
     "--no-sandbox",
@@ -170,10 +176,17 @@ def browser():
         chromium.close()
 
 
+def new_context(browser):
+    """A fresh browser context with the window size the screenshots use and the patient action timeout."""
+    context = browser.new_context(viewport={"width": 1360, "height": 900})
+    context.set_default_timeout(ACTION_TIMEOUT_MS)
+    return context
+
+
 @pytest.fixture
 def page(browser, app_url):
     url, _ = app_url
-    context = browser.new_context(viewport={"width": 1360, "height": 900})
+    context = new_context(browser)
     page = context.new_page()
     page.goto(url)
     expect(page.locator("#gallery-start-sft")).to_be_visible(timeout=30_000)  # the page opens on Start
