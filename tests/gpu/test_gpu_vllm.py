@@ -1,4 +1,4 @@
-"""vLLM rollouts on a GPU (CUDA build of vLLM, e.g. the kit of shared/gpu/README.md): bf16 engine colocated with
+"""vLLM rollouts on a GPU (a CUDA build of vLLM that matches the machine's torch): bf16 engine colocated with
 the trainer, sleep mode, both LoRA sync modes and full weights, and GRPO through the real CLI.
 
     source .gpu/vllm/setup.sh && export PYTHONPATH=$PWD/src:$PWD:$PYTHONPATH HF_HUB_OFFLINE=1
@@ -24,7 +24,7 @@ from rlfactory.config.schema import RunConfig
 from rlfactory.engine.run_dir import read_log
 from rlfactory.rollout.base import SamplingParams
 
-pytest.importorskip("vllm", reason="needs vLLM (the GPU kit: shared/gpu/README.md)")
+pytest.importorskip("vllm", reason="needs a CUDA build of vLLM (pip install vllm)")
 pytestmark = pytest.mark.vllm
 BF16_MEAN, BF16_MAX = 2e-2, 0.5  # GRPO runs (small LoRA updates)
 SYNC_MEAN, SYNC_MAX = 0.1, 1.0  # the sync check's large perturbation (measured: see docs/BENCHMARKS.md)
