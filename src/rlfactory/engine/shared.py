@@ -482,7 +482,7 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             for signum in self.SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
-            # a launcher may hand the signals down blocked (seen on CI): they would wait, pending, until the run ends
+            # a launcher may hand them down blocked (CI's runner seems to): they would wait, pending, until the run ends
             if hasattr(signal, "pthread_sigmask"):  # not on Windows
                 self._previous_mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, self.SIGNALS)
         return self
