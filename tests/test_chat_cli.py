@@ -46,6 +46,18 @@ def _controlling_terminal_with_sigint_ignored_and_blocked() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 
+def _threads_taking_sigint(pid: int) -> list[str]:
+    """The child's threads other than its main one that do not block SIGINT (a Ctrl-C handed to one of them would
+    never wake the main thread's input())."""
+    sigint = 1 << (signal.SIGINT - 1)
+    taking = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        status = dict(line.split(":\t", 1) for line in (task / "status").read_text().splitlines() if ":\t" in line)
+        if task.name != str(pid) and not int(status["SigBlk"], 16) & sigint:
+            taking.append(f"{task.name} ({status['Name'].strip()})")
+    return taking
+
+
 def _signal_state(pid: int) -> str:
     """The child's signal masks per thread (hex: pending, blocked, ignored, caught), for a failure message."""
     lines = []
@@ -140,6 +152,7 @@ def test_chat_in_a_terminal_calls_the_calculator_and_answers(tmp_path: Path) -> 
         term.expect(r"\[tool result\] 42\n")
         term.expect(r"assistant> 12 \+ 30 = 42\. The answer is 42\.\nyou> ")
         assert "<|im_end|>" not in term.text and "Traceback" not in term.text
+        assert _threads_taking_sigint(term.proc.pid) == []  # the tools' pool threads live on at the prompt
         term.send("\x03")  # Ctrl-C at the prompt: a hint, the session goes on
         term.expect(r"\(/exit or Ctrl-D quits\)\nyou> ")
         term.send("/clear\n")

@@ -191,7 +191,7 @@ class ChatSession:
                 self._events.put(None)
 
         worker = threading.Thread(target=work, name="chat-reply", daemon=True)
-        worker.start()
+        _start_without_sigint(worker)
         finished = False
         try:
             while (event := self._events.get()) is not None:
@@ -321,6 +321,20 @@ class TerminalPrinter:
             self.line(ENDINGS[event.text])
         elif not self.at_line_start:  # an answer: end its line
             self.write("\n")
+
+
+def _start_without_sigint(thread: threading.Thread) -> None:
+    """Start ``thread`` with SIGINT blocked in it and in the threads it starts (the generation's, the tools' pool).
+    Python runs signal handlers in the main thread only, and a Ctrl-C the kernel hands to another thread never wakes
+    the main thread's ``input()`` (seen on CI: the hint never came); blocked everywhere else, it can only go there."""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows: no signal masks (nor this problem)
+        thread.start()
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        thread.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _answer(session: ChatSession, text: str, printer: TerminalPrinter) -> None:
