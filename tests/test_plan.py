@@ -214,8 +214,10 @@ def _training_growth_mib(tmp_path, batch: int) -> tuple[float, float]:
 def test_estimate_against_a_real_cpu_run(tmp_path):
     """pt packs the corpus into full blocks, so a micro-batch holds exactly batch x cutoff_len tokens, as the estimate
     assumes. The estimate's growth from micro-batch 4 to 64 (activations, backward's working memory, the head) is
-    compared with how much more the real training raised the process's resident memory at 64 than at 4. Within 15%,
-    as on the GPU."""
+    compared with how much more the real training raised the process's resident memory at 64 than at 4: 1135 MiB
+    estimated; measured 1177, 1203, 1243 and 1247 MiB alone, more in a busy suite run (the allocator's peak at
+    micro-batch 64 moves by ~100 MiB between runs). Within 20% on CPU; the GPU check (the CUDA allocator's own peak)
+    is 15%."""
     (small_start, small), (large_start, large) = (_training_growth_mib(tmp_path, batch) for batch in (4, 64))
     pt = ROOT / "examples/quickstart/pt.yaml"
     configs = [load_config(pt, [f"train.per_device_batch_size={b}", *PT_RUN]) for b in (4, 64)]
@@ -224,7 +226,7 @@ def test_estimate_against_a_real_cpu_run(tmp_path):
     measured = large - small
     print(f"training raised RSS by {small:.0f} MiB (from {small_start:.0f}) at micro-batch 4 and by {large:.0f} MiB")
     print(f"(from {large_start:.0f}) at 64: growth measured {measured:.0f} MiB, estimated {estimated:.0f} MiB")
-    assert abs(estimated - measured) <= 0.15 * measured, (small_start, small, large_start, large, estimated)
+    assert abs(estimated - measured) <= 0.20 * measured, (small_start, small, large_start, large, estimated)
 
 
 def test_suggestions_are_re_estimates(tmp_path):
