@@ -215,7 +215,7 @@ def test_estimate_against_a_real_cpu_run(tmp_path):
     """pt packs the corpus into full blocks, so a micro-batch holds exactly batch x cutoff_len tokens, as the estimate
     assumes. The estimate's growth from micro-batch 4 to 64 (activations, backward's working memory, the head) is
     compared with how much more the real training raised the process's resident memory at 64 than at 4: 1135 MiB
-    estimated; measured 1177, 1203, 1243 and 1247 MiB alone, more in a busy suite run (the allocator's peak at
+    estimated; measured 1177, 1203, 1243 and 1247 MiB alone, 1336 in a busy suite run (the allocator's peak at
     micro-batch 64 moves by ~100 MiB between runs). Within 20% on CPU; the GPU check (the CUDA allocator's own peak)
     is 15%."""
     (small_start, small), (large_start, large) = (_training_growth_mib(tmp_path, batch) for batch in (4, 64))
