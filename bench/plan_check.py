@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -54,6 +55,9 @@ CASES: dict[str, tuple[str, str, list[str]]] = {
     "grpo_vllm_05b": (GRPO, "05b", [*ONLINE, "model.finetuning=lora", "train.per_device_batch_size=16"]),
     "grpo_vllm_sleep_05b": (GRPO, "05b", [*ONLINE, "model.finetuning=lora", "train.per_device_batch_size=16",
                                           "rollout.enable_sleep_mode=true"]),
+    # several GPUs: the fullest GPU of a ZeRO-3 run (needs 2 visible GPUs; measured by nvidia-smi on each)
+    "sft_full_05b_zero3x2": (SFT, "05b", [*OFFLINE, "model.finetuning=full", "train.per_device_batch_size=4",
+                                          "distributed.num_processes=2", "distributed.strategy=zero3"]),
 }  # fmt: skip
 
 
@@ -102,13 +106,23 @@ print("PLAN_CHECK " + json.dumps({"rc": code, "max_allocated": torch.cuda.max_me
 """
 
 
-def poll_used(stop: threading.Event, peak: list[float]) -> None:
-    """The device's memory.used (MiB) every 50 ms, the highest kept."""
+def visible_gpus() -> str:
+    """nvidia-smi's indexes of the GPUs this process sees (nvidia-smi itself ignores CUDA_VISIBLE_DEVICES)."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES") or "0"
+
+
+def used_mib() -> list[float]:
+    """memory.used (MiB) of each visible GPU."""
+    query = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", visible_gpus()]
+    out = subprocess.run(query, capture_output=True, text=True)
+    return [float(x) for x in out.stdout.split()] if out.returncode == 0 else []
+
+
+def poll_used(stop: threading.Event, base: list[float], peak: list[float]) -> None:
+    """Every 50 ms, each visible GPU's memory.used above its value before the run; the highest of any GPU kept."""
     while not stop.is_set():
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                             capture_output=True, text=True)  # fmt: skip
-        if out.returncode == 0 and out.stdout.strip():
-            peak[0] = max(peak[0], float(out.stdout.split()[0]))
+        for used, before in zip(used_mib(), base, strict=False):
+            peak[0] = max(peak[0], used - before)
         time.sleep(0.05)
 
 
@@ -123,7 +137,7 @@ def seconds_per_step(log: Path) -> float | None:
     return round((rows[-1]["elapsed_s"] - rows[0]["elapsed_s"]) / (rows[-1]["step"] - rows[0]["step"]), 3)
 
 
-def run_case(name: str, work: Path, steps: int, plan_only: bool = False) -> dict:
+def run_case(name: str, work: Path, steps: int, plan_only: bool = False, timeout: float = 600) -> dict:
     from rlfactory.engine import plan_terms
     from rlfactory.engine.plan_report import plan_config
 
@@ -136,18 +150,23 @@ def run_case(name: str, work: Path, steps: int, plan_only: bool = False) -> dict
     (plan,) = plan_config(config, overrides, **planned)
     if plan_only:
         return {"case": name, "estimate_gb": round(plan.peak / plan_terms.GiB, 2), "phase": plan.peak_phase}
-    stop, used = threading.Event(), [0.0]
-    base = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                          capture_output=True, text=True).stdout.split()  # fmt: skip
-    poller = threading.Thread(target=poll_used, args=(stop, used), daemon=True)
+    stop, used, base = threading.Event(), [0.0], used_mib()
+    poller = threading.Thread(target=poll_used, args=(stop, base, used), daemon=True)
     poller.start()
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}", HF_HUB_OFFLINE="1")
-    done = subprocess.run([sys.executable, "-c", CHILD, "train", config, *overrides], cwd=ROOT, env=env,
-                          capture_output=True, text=True)  # fmt: skip
+    command = [sys.executable, "-c", CHILD, "train", config, *overrides]
+    child_proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = child_proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # the whole group: launched ranks and vLLM's engine processes hold GPU memory
+        os.killpg(child_proc.pid, signal.SIGKILL)
+        stdout, stderr = child_proc.communicate()
+        stderr += f"\nTIMEOUT after {timeout:.0f} s"
     stop.set()
     poller.join()
-    line = next((x for x in done.stdout.splitlines() if x.startswith("PLAN_CHECK ")), None)
-    child = json.loads(line[len("PLAN_CHECK ") :]) if line else {"rc": done.returncode}
+    line = next((x for x in stdout.splitlines() if x.startswith("PLAN_CHECK ")), None)
+    child = json.loads(line[len("PLAN_CHECK ") :]) if line else {"rc": child_proc.returncode}
     gib = plan_terms.GiB
     result = {
         "case": name,
@@ -155,11 +174,11 @@ def run_case(name: str, work: Path, steps: int, plan_only: bool = False) -> dict
         "phase": plan.peak_phase,
         "allocated_gb": round(child.get("max_allocated", 0) / gib, 2),
         "allocated_plus_context_gb": round((child.get("max_allocated", 0) + plan_terms.CUDA_OVERHEAD) / gib, 2),
-        "smi_peak_gb": round((used[0] - float(base[0] if base else 0)) / 1024, 2),
+        "smi_peak_gb": round(used[0] / 1024, 2),
         "rc": child.get("rc"),
     }
     if result["rc"] != 0:
-        result["stderr"] = done.stderr[-1500:]
+        result["stderr"] = stderr[-1500:]
     result["s_per_step"] = seconds_per_step(work / "runs" / name / "trainer_log.jsonl")
     measured = max(result["allocated_plus_context_gb"], result["smi_peak_gb"])
     result["error_pct"] = round(100 * (result["estimate_gb"] - measured) / measured, 1) if measured else None
@@ -172,11 +191,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--work", default="/tmp/plan_check", help="models, data and runs go here")
     parser.add_argument("--plan-only", action="store_true", help="print the estimates (80 GiB H100), run nothing")
+    parser.add_argument("--case-timeout", type=float, default=600, help="seconds before a case is killed")
     args = parser.parse_args()
     work = Path(args.work)
     results = []
     for name in args.cases.split(","):
-        results.append(run_case(name, work, args.steps, args.plan_only))
+        results.append(run_case(name, work, args.steps, args.plan_only, args.case_timeout))
         print(json.dumps(results[-1]), flush=True)
         shutil.rmtree(work / "runs" / name, ignore_errors=True)  # a 7B run's output: the disk is not large
     if args.plan_only:
