@@ -93,6 +93,47 @@ def test_lora_under_autocast_saves_no_float32_copies_of_adapter_inputs():
     assert saved_bytes < plain_bytes, (saved_bytes, plain_bytes)
 
 
+
+def test_dora_with_gradient_checkpointing_recomputes_what_the_forward_saved():
+    """DoRA on a bf16 model under bf16 autocast with gradient checkpointing (a 7B DoRA run on an H200 stopped with
+    torch's "Recomputed values ... have different metadata"): the recompute inside the engine's ``backward`` casts
+    the adapters' inputs as ``autocast_forward`` did, and the adapter gradients equal those without checkpointing."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from transformers import AutoModelForCausalLM
+
+    from rlfactory.config.schema import LoraConfig
+    from rlfactory.engine.shared import autocast_forward, backward
+    from rlfactory.model.loader import apply_lora
+
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(TINY_MODEL)))
+    examples = load_examples(["arith_sft"], "sft", str(DATA_DIR), max_samples=4)
+    batch = sft.collate_padded(tokenizer.pad_token_id)([render_sft(tokenizer, e["messages"])[0] for e in examples])
+    AcceleratorState._reset_state(reset_partial_state=True)  # a process-wide singleton: bf16 only for this test
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+
+    def grads(checkpointing: bool) -> dict[str, torch.Tensor]:
+        base = AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.bfloat16, attn_implementation="sdpa")
+        if checkpointing:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        torch.manual_seed(0)
+        lora = LoraConfig(r=8, alpha=16, dropout=0.0, target_modules="all-linear", use_dora=True)
+        model = apply_lora(base, lora, checkpointing)
+        model.train()
+        with autocast_forward(accelerator, model):
+            loss, _ = sft.nll_sum(model, batch)
+        backward(accelerator, model, loss)
+        return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    try:
+        plain, checkpointed = grads(False), grads(True)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert any("lora_magnitude_vector" in n for n in plain)
+    assert plain.keys() == checkpointed.keys()
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, msg=name)
+
 def _run_in_process(cfg: dict) -> Path:
     config = validate_config(cfg, "test")
     sft.run(config)

@@ -30,6 +30,7 @@ from rlfactory.engine.shared import (
     NonFiniteGuard,
     StopSignals,
     autocast_forward,
+    backward,
     build_accelerator,
     check_finite_weights,
     clip_grad_norm,
@@ -230,7 +231,7 @@ def _train_window(
             loss = loss_sum / units
             # Accelerate/DeepSpeed divide by accum and DDP averages over processes; undo both so the
             # gradient is exactly d(sum of window losses / window units).
-            acc.backward(loss * cfg.train.grad_accum_steps * acc.num_processes)
+            backward(acc, s.model, loss * cfg.train.grad_accum_steps * acc.num_processes)
             window_loss += loss.detach().float()
             meter.add(metrics)
             tokens += _batch_tokens(batch)

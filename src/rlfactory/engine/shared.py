@@ -283,15 +283,29 @@ def autocast_forward(accelerator: Accelerator, model: Any) -> contextlib.ExitSta
     PEFT keeps LoRA weights in float32 on a bf16 model and casts each adapter's input to float32; under autocast
     the adapter's matmul casts it straight back to bf16, and that copy is what autograd saves, one per adapted
     linear: 1.3 GB of a 0.5B model's activations at 8k tokens, uncompiled (H100, docs/BENCHMARKS.md). Without the
-    cast the values are the same and the adapter saves the input the base layer already holds.
+    cast the values are the same and the adapter saves the input the base layer already holds. The backward of
+    such a forward goes through ``backward`` below.
     """
     stack = contextlib.ExitStack()
     stack.enter_context(accelerator.autocast())
+    stack.enter_context(_adapter_input_casting_off(accelerator, model))
+    return stack
+
+
+def _adapter_input_casting_off(accelerator: Accelerator, model: Any) -> contextlib.AbstractContextManager:
     if accelerator.mixed_precision in ("bf16", "fp16") and hasattr(accelerator.unwrap_model(model), "peft_config"):
         from peft.helpers import disable_input_dtype_casting
 
-        stack.enter_context(disable_input_dtype_casting(model))
-    return stack
+        return disable_input_dtype_casting(model)
+    return contextlib.nullcontext()
+
+
+def backward(accelerator: Accelerator, model: Any, loss: torch.Tensor) -> None:
+    """``accelerator.backward`` for a forward run under ``autocast_forward``. Gradient checkpointing runs each
+    layer's forward again inside the backward; it must cast the adapters' inputs as the first forward did, or
+    DoRA's norms come out in another dtype and torch refuses the recomputed tensors (a 7B DoRA run on an H200)."""
+    with _adapter_input_casting_off(accelerator, model):
+        accelerator.backward(loss)
 
 
 def clip_grad_norm(accelerator: Accelerator, model: Any, max_norm: float | None) -> torch.Tensor | float | None:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from rlfactory.algos.common import entropy_from_logits, masked_mean, masked_var, token_logprobs
 from rlfactory.config.schema import AlgorithmConfig
-from rlfactory.engine.shared import NonFiniteGuard, autocast_forward, clip_grad_norm
+from rlfactory.engine.shared import NonFiniteGuard, autocast_forward, backward, clip_grad_norm
 from rlfactory.rollout.batch import RolloutBatch, response_logits
 
 if TYPE_CHECKING:
@@ -365,7 +365,7 @@ class Updater:
                         with autocast_forward(self.accelerator, self.model):
                             part = loss_fn(rows, pos, mini_batch, width, packed)
                         # x world: DDP averages the ranks' gradients, the parts of a mini-batch aggregate add up
-                        self.accelerator.backward(part.loss if world == 1 else part.loss * world)
+                        backward(self.accelerator, self.model, part.loss if world == 1 else part.loss * world)
                     mini_loss += part.loss.detach().float()
                     if part.logprobs is not None:
                         if seen is None:
