@@ -143,7 +143,8 @@ def run_case(name: str, work: Path, steps: int, plan_only: bool = False, timeout
 
     config, shape, overrides = CASES[name]
     model = make_model(shape, work, weights=not plan_only)
-    overrides = [f"model.name_or_path={model}", f"data.dataset_dir={make_data(work)}", *COMMON, *overrides,
+    data = [] if config == GRPO else [f"data.dataset_dir={make_data(work)}"]  # grpo: the bundled prompts
+    overrides = [f"model.name_or_path={model}", *data, *COMMON, *overrides,
                  f"train.max_steps={steps}", f"output_dir={work / 'runs' / name}",
                  "overwrite_output_dir=true"]  # fmt: skip
     planned = dict(gpu_memory_gb=80, gpu_name="H100") if plan_only else {}
