@@ -279,10 +279,23 @@ def linear_nll_sum(
     return _LinearNLLSum.apply(hidden, weight, labels, rows, compiled)
 
 
+ENTROPY_METRIC_CHUNK = 1024  # rows per chunk of the logged (no-gradient) entropy
+
+
 def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 4096) -> torch.Tensor:
-    """Per-token entropy of the categorical distribution given by ``logits`` (B, T, V) -> (B, T)."""
+    """Per-token entropy of the categorical distribution given by ``logits`` (B, T, V) -> (B, T).
+
+    Without a gradient (the entropy every online update logs) it runs on ``ENTROPY_METRIC_CHUNK`` rows at a time,
+    in place: it runs at the forward's end, next to everything the update holds for backward, and 4,096-row chunks
+    with a fresh tensor per operation made it the update's peak (16 bytes per logit of a chunk, 7 GiB at a 152k
+    vocabulary; a 0.5B GRPO run on an H200, docs/BENCHMARKS.md)."""
     flat = logits.reshape(-1, logits.shape[-1])
     out = []
+    if not (torch.is_grad_enabled() and logits.requires_grad):
+        for start in range(0, flat.shape[0], ENTROPY_METRIC_CHUNK):
+            log_p = F.log_softmax(flat[start : start + ENTROPY_METRIC_CHUNK].float(), dim=-1)
+            out.append(log_p.exp().mul_(log_p).sum(-1).neg_())
+        return torch.cat(out).reshape(logits.shape[:-1])
     for start in range(0, flat.shape[0], chunk_size):
         rows = flat[start : start + chunk_size].float()
         log_p = F.log_softmax(rows, dim=-1)

@@ -292,8 +292,8 @@ def head_terms(cfg: RunConfig, shape: t.ModelShape, p: t.Precision, gpu: Gpu, to
         return [Term("LM head", 0.0, "update", "a score head: no vocabulary logits")]
     if cfg.rollout is not None:
         rows = cfg.train.per_device_batch_size * cfg.rollout.max_response_len
-        held, chunk = t.full_logits_bytes(shape, rows, p)
-        note = "response logits + float32 log-probs"
+        held, chunk = t.online_head_bytes(shape, rows, p)
+        note = "float32 log-prob chunks"
     elif strategy(cfg) in ("zero3", "zero3_offload"):
         held, chunk = t.full_logits_bytes(shape, tokens, p)
         note = "ZeRO-3: the model's full logits"
@@ -307,7 +307,13 @@ def head_terms(cfg: RunConfig, shape: t.ModelShape, p: t.Precision, gpu: Gpu, to
         note = "chunked log-probs"
     return [
         Term("LM head (held to backward)", held, "update", note),
-        Term("LM head chunk", chunk, "update", "one chunk of logits", transient=True),
+        Term(
+            "LM head chunk",
+            chunk,
+            "update",
+            "the head's own peak" if cfg.rollout else "one chunk of logits",
+            transient=True,
+        ),
     ]
 
 

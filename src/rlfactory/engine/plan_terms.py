@@ -265,11 +265,24 @@ def logprob_head_bytes(shape: ModelShape, rows: int, p: Precision) -> tuple[floa
 
 
 def full_logits_bytes(shape: ModelShape, rows: int, p: Precision) -> tuple[float, float]:
-    """Where the head is not chunked: the online update (``engine/online/update.policy_forward``: the response
-    positions' logits, kept for backward, and ``token_logprobs``' float32 copies of them, saved by log-softmax), and
-    ZeRO-3, whose partitioned head falls back to the model's own loss (the same logits and float32 copy). Held:
-    those; transient: one 4096-row float32 chunk."""
+    """ZeRO-3, whose partitioned head falls back to the model's own loss: the logits and their float32 copy, kept
+    for backward (held), and one 4096-row float32 chunk (transient)."""
     return rows * shape.vocab * (p.compute + 4), 4096 * min(rows, 4096) / 4096 * shape.vocab * 4
+
+
+TOKEN_LOGPROBS_CHUNK = 4096  # algos.common.token_logprobs' chunk_size
+
+
+def online_head_bytes(shape: ModelShape, rows: int, p: Precision) -> tuple[float, float]:
+    """The online update's head (``engine/online/update.policy_forward``) for ``rows`` response positions. Held to
+    backward: ``token_logprobs``' float32 row chunks, which log-sum-exp saves (4 bytes per logit). Beyond that, the
+    head's peak (transient), the larger of its forward's, where the logits and their contiguous copy (compute dtype)
+    meet a chunk's exp temporary, and its backward's, three float32 gradients of a chunk at once. The chunk's share
+    of the rows sets both; fitted to the peaks measured at shares 1, 1/2 and 1/4 (tests/test_plan.py). The logged
+    entropy (1,024-row chunks, at the forward's end) stays below them."""
+    logits = rows * shape.vocab
+    share = min(rows, TOKEN_LOGPROBS_CHUNK) / rows
+    return logits * 4, logits * max(2 * p.compute + 4 * share, 12 * share)
 
 
 def backward_layer_bytes(per_layer: float, tokens: int) -> float:

@@ -1,0 +1,47 @@
+"""The online update's LM head alone, on CPU in bf16, as ``policy_forward`` runs it: logits for T + 1 positions,
+the last dropped, ``token_logprobs``, the logged entropy (no gradient), then backward. Prints the peak resident
+memory above the start, in bytes per logit, for the planner's head term (tests/test_plan.py).
+
+    python tests/head_memory_probe.py ROWS_PER_SEQUENCE
+"""
+
+import ctypes
+import json
+import re
+import sys
+
+import torch
+
+from rlfactory.algos.common import entropy_from_logits, token_logprobs
+
+B, V, H = 16, 16384, 64
+
+
+def rss(field: str) -> int:
+    return int(re.search(field + r":\s+(\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+
+
+def main(t: int) -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    hidden = torch.randn(B, t + 1, H, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(V, H, dtype=torch.bfloat16) * 0.02
+    targets = torch.randint(0, V, (B, t))
+    small = token_logprobs((hidden[:, :3] @ weight.T)[:, :-1], targets[:, :2])  # allocator and kernels warm
+    small.sum().backward()
+    hidden.grad = None
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    start = rss("VmRSS")
+    logits = (hidden @ weight.T)[:, :-1]
+    logprobs = token_logprobs(logits, targets)
+    with torch.no_grad():
+        entropy = entropy_from_logits(logits.detach())
+    del logits
+    logprobs.sum().backward()
+    print(json.dumps({"bytes_per_logit": (rss("VmHWM") - start) / (B * t * V), "entropy": float(entropy.mean())}))
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
