@@ -6,9 +6,12 @@
 Models are Qwen2.5-shaped with random bf16 weights (no download: the device has no network), written once to
 --work with the bundled tiny tokenizer (its ids are a subset of the vocabulary). Data is synthetic and long, so
 every sequence reaches its cap (cutoff_len, or the response cap: random weights rarely stop early), which is the
-worst case the planner estimates. Per case: the plan's peak (and its phase), torch.cuda.max_memory_allocated of
-the run (+ the plan's CUDA-context constant, for comparison), and the device's memory.used peak polled by
-nvidia-smi every 50 ms (vLLM's own pool is only in the latter). A line of JSON per case, then a table.
+worst case the planner estimates. Per case: the plan's peak (and its phase), torch's peak allocated memory of
+the run (the fullest rank's ``max_memory_gb`` from the log when the run has several processes; + the plan's
+CUDA-context constant, for comparison), and the peak of memory.used above its start on any visible GPU, polled by
+nvidia-smi every 50 ms. The error is against the latter, what the device itself counts (the allocator's cache, the
+CUDA context and NCCL included; under vLLM's sleep mode torch's counter keeps the sleeping engine's pool, whose
+memory went back to the driver). A line of JSON per case, then a table.
 """
 
 from __future__ import annotations
@@ -137,6 +140,14 @@ def seconds_per_step(log: Path) -> float | None:
     return round((rows[-1]["elapsed_s"] - rows[0]["elapsed_s"]) / (rows[-1]["step"] - rows[0]["step"]), 3)
 
 
+def ranks_peak_gb(log: Path) -> float | None:
+    """The fullest rank's torch peak (``max_memory_gb``, logged by the offline loop on GPUs)."""
+    if not log.is_file():
+        return None
+    values = [json.loads(x).get("max_memory_gb") for x in log.read_text().splitlines()]
+    return max((v for v in values if v is not None), default=None)
+
+
 def run_case(name: str, work: Path, steps: int, plan_only: bool = False, timeout: float = 600) -> dict:
     from rlfactory.engine import plan_terms
     from rlfactory.engine.plan_report import plan_config
@@ -169,6 +180,9 @@ def run_case(name: str, work: Path, steps: int, plan_only: bool = False, timeout
     line = next((x for x in stdout.splitlines() if x.startswith("PLAN_CHECK ")), None)
     child = json.loads(line[len("PLAN_CHECK ") :]) if line else {"rc": child_proc.returncode}
     gib = plan_terms.GiB
+    if not child.get("max_allocated"):  # several processes: the launcher allocates nothing; the log has the ranks'
+        logged = ranks_peak_gb(work / "runs" / name / "trainer_log.jsonl")
+        child["max_allocated"] = logged * gib if logged else 0
     result = {
         "case": name,
         "estimate_gb": round(plan.peak / gib, 2),
@@ -181,7 +195,9 @@ def run_case(name: str, work: Path, steps: int, plan_only: bool = False, timeout
     if result["rc"] != 0:
         result["stderr"] = stderr[-1500:]
     result["s_per_step"] = seconds_per_step(work / "runs" / name / "trainer_log.jsonl")
-    measured = max(result["allocated_plus_context_gb"], result["smi_peak_gb"])
+    # the device's own count when there is one: under vLLM's sleep mode torch's counter keeps the engine's pool,
+    # whose memory is handed back to the driver while the engine sleeps
+    measured = result["smi_peak_gb"] or result["allocated_plus_context_gb"]
     result["error_pct"] = round(100 * (result["estimate_gb"] - measured) / measured, 1) if measured else None
     return result
 

@@ -165,20 +165,32 @@ def test_lora_dropout_formula_is_what_autograd_saves():
 
 
 
+def _head_peak(rows_per_sequence: int, head: str) -> float:
+    """Bytes per logit at the peak of tests/head_memory_probe.py (16 sequences, a 16k vocabulary, bf16, CPU)."""
+    probe = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "head_memory_probe.py"), str(rows_per_sequence), head],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, timeout=300,
+    )  # fmt: skip
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    return json.loads(probe.stdout.splitlines()[-1])["bytes_per_logit"]
+
+
 @pytest.mark.parametrize("rows_per_sequence", [256, 512, 1024])  # token_logprobs' chunk: all, 1/2, 1/4 of the rows
 def test_online_head_term_is_the_measured_peak(rows_per_sequence):
-    """The online update's LM head in bf16 (tests/head_memory_probe.py: 16 sequences x a 16k vocabulary, forward,
-    the logged entropy, backward), its peak resident memory against the planner's held + transient bytes: within
-    5% (measured 16.0, 10.0 and 9.0 bytes per logit; the hidden states' gradient adds 0.01)."""
-    probe = subprocess.run([sys.executable, str(ROOT / "tests" / "head_memory_probe.py"), str(rows_per_sequence)],
-                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
-                           timeout=300)  # fmt: skip
-    assert probe.returncode == 0, probe.stderr[-2000:]
-    measured = json.loads(probe.stdout.splitlines()[-1])["bytes_per_logit"]
-    shape = dataclasses.replace(SMALL, vocab=16384)
-    rows = 16 * rows_per_sequence
+    """The online update's LM head (forward, the logged entropy, backward): its peak resident memory against the
+    planner's held + transient bytes, within 5% (measured 16.0, 10.0 and 9.0 bytes per logit; the hidden states'
+    gradient adds 0.01)."""
+    shape, rows = dataclasses.replace(SMALL, vocab=16384), 16 * rows_per_sequence
     held, transient = t.online_head_bytes(shape, rows, BF16)
+    measured = _head_peak(rows_per_sequence, "online")
     assert (held + transient) / (rows * shape.vocab) == pytest.approx(measured, rel=0.05)
+
+
+def test_model_loss_head_term_is_the_measured_peak():
+    """A model's own loss (the ZeRO-3 fallback), forward and backward: measured 12.0 bytes per logit."""
+    shape, rows = dataclasses.replace(SMALL, vocab=16384), 16 * 512
+    held, transient = t.full_logits_bytes(shape, rows, BF16)
+    assert (held + transient) / (rows * shape.vocab) == pytest.approx(_head_peak(512, "model_loss"), rel=0.05)
 
 CPU = Gpu(name=None, memory=None, count=1, cuda=False)
 PT_RUN = ["data.cutoff_len=256", "train.eval_steps=null", "data.eval_dataset=[]", "logging.plot_loss=false"]

@@ -41,6 +41,7 @@ from rlfactory.engine.shared import (
     log_record,
     make_optimizer,
     make_scheduler,
+    peak_memory_gb,
     prepare_model,
     save_checkpoint,
 )
@@ -321,6 +322,7 @@ def _loop(
                     **guard.pop_skipped(),
                     "lr": s.scheduler.get_last_lr()[0],
                     **clock.lap(step, s.total_steps, acc.num_processes),
+                    **_peak_memory(acc),
                 }
                 _log(s, out, record)
                 bar.set_postfix(loss=f"{last_metrics.get('loss', float('nan')):.4f}")
@@ -355,6 +357,15 @@ def _check_global_batch(state: dict[str, Any], global_batch: int, path: Path) ->
             "(train.per_device_batch_size x train.grad_accum_steps x processes): keep it the same, e.g. double "
             "per_device_batch_size or grad_accum_steps when halving the processes"
         )
+
+
+def _peak_memory(accelerator: Any) -> dict[str, float]:
+    """On GPUs, the fullest process's peak of torch's allocated memory so far (GiB): what ``rlfactory plan``
+    estimates, read where the run happens (the allocator's cache and the CUDA context come on top)."""
+    if not torch.cuda.is_available():
+        return {}
+    peak = torch.tensor([peak_memory_gb()], device=accelerator.device)
+    return {"max_memory_gb": round(float(accelerator.gather(peak).max()), 3)}
 
 
 class _Clock:
