@@ -149,7 +149,7 @@ def _ours_parts(args, model, tokenizer, sequences):
     from rlfactory.config.schema import DPOConfig, LoraConfig, RMConfig
     from rlfactory.engine.offline import StageParts
     from rlfactory.model.loader import apply_lora, maybe_apply_liger
-    from rlfactory.model.reference import build_reference
+    from rlfactory.model.reference import ReferencePolicy
     from rlfactory.stages import dpo, preference_data, rm, sft
 
     lora = LoraConfig(r=16, alpha=32, dropout=0.0, target_modules="all-linear")
@@ -188,7 +188,7 @@ def _ours_parts(args, model, tokenizer, sequences):
             for p in random_pairs(sequences)
         ]
         loss, traits = dpo.check_loss_type("sigmoid")
-        ref = build_reference(None, model)  # LoRA: the adapter-disabled policy, no copy
+        ref = ReferencePolicy(model)  # LoRA: the adapter-disabled policy, no copy (what build_reference picks for LoRA)
         loss_fn = dpo.make_loss(DPOConfig(), loss, traits, ref, kernels)
         return model, StageParts(items, preference_data.collate_pairs(0), loss_fn, dpo.count_pairs)
     items = [{"input_ids": s, "labels": s} for s in sequences]

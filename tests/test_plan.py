@@ -314,3 +314,26 @@ def test_qlora_plan_counts_the_quantized_base():
     assert weights.bytes == t.quantized_weights_bytes(shape, 4, double_quant=True)
     assert not any(term.name.startswith("autocast") for term in qlora.terms)
     assert qlora.to_dict()["terms"][0]["name"] == weights.name and lora.peak != qlora.peak
+    (int8,) = plan_config(config, ["model.finetuning=lora", "model.quantization.bits=8"], **gpu)
+    assert qlora.notes == [] and "8-bit (LLM.int8) training uses far more memory" in int8.notes[0]
+
+
+def test_zero3_head_is_liger_fused_where_liger_runs(monkeypatch):
+    """ZeRO-3 falls back to the model's own loss; with Liger's kernels applied that loss is Liger's fused linear
+    cross-entropy (no full logits), so the plan holds its gradients instead (measured on 2 H200s: docs/BENCHMARKS.md).
+    Liger is not installed on the CPU test machine, so the layer path is set as a CUDA machine with it decides."""
+    import rlfactory.engine.plan as plan
+
+    config = str(ROOT / "examples/quickstart/sft.yaml")
+    run = ["model.finetuning=full", "distributed.num_processes=2", "distributed.strategy=zero3"]
+    gpu = dict(gpus=2, gpu_memory_gb=80, gpu_name="H100")
+    (full_logits,) = plan_config(config, run, **gpu)
+    monkeypatch.setattr(plan, "layer_path", lambda cfg, gpu: "liger")
+    (fused,) = plan_config(config, run, **gpu)
+    held = "LM head (held to backward)"
+    head_full, head_fused = (next(x for x in p.terms if x.name == held) for p in (full_logits, fused))
+    assert head_full.note == "ZeRO-3: the model's full logits" and fused.layer_path == "liger"
+    assert head_fused.note == "ZeRO-3: Liger's fused linear cross-entropy"
+    shape = model_shape(str(TINY_MODEL))
+    assert head_fused.bytes == t.liger_fused_head_bytes(shape, fused.tokens, BF16, trains_head=True)[0]
+    assert head_fused.bytes < head_full.bytes
