@@ -220,7 +220,8 @@ def main() -> None:
         shutil.rmtree(work / "runs" / name, ignore_errors=True)  # a 7B run's output: the disk is not large
     if args.plan_only:
         return
-    print(f"\n{'case':<22} {'plan GiB':>9} {'alloc+ctx':>10} {'smi peak':>9} {'error':>7} {'vs torch':>9} {'s/step':>7}")
+    columns = ("plan GiB", 9), ("alloc+ctx", 10), ("smi peak", 9), ("error", 7), ("vs torch", 9), ("s/step", 7)
+    print(f"\n{'case':<22} " + " ".join(f"{name:>{width}}" for name, width in columns))
     for r in results:
         print(f"{r['case']:<22} {r['estimate_gb']:>9} {r['allocated_plus_context_gb']:>10} {r['smi_peak_gb']:>9} "
               f"{r['error_pct']!s:>6}% {r['error_vs_torch_pct']!s:>8}% {r.get('s_per_step')!s:>7}")  # fmt: skip
