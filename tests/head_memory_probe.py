@@ -19,7 +19,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 
 from rlfactory.algos.common import entropy_from_logits, token_logprobs
 
-B, V, H = 16, 16384, 64
+B, V, H = 8, 8192, 16
 
 
 def rss(field: str) -> int:
