@@ -52,7 +52,11 @@ def _threads_taking_sigint(pid: int) -> list[str]:
     sigint = 1 << (signal.SIGINT - 1)
     taking = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
-        status = dict(line.split(":\t", 1) for line in (task / "status").read_text().splitlines() if ":\t" in line)
+        try:
+            text = (task / "status").read_text()
+        except OSError:  # the thread ended since the listing
+            continue
+        status = dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
         if task.name != str(pid) and not int(status["SigBlk"], 16) & sigint:
             taking.append(f"{task.name} ({status['Name'].strip()})")
     return taking
