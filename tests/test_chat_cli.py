@@ -152,14 +152,14 @@ from rlfactory.tools.builtin import calculator as bundled
 
 
 def calculator(expression: str) -> str:
-    time.sleep(2.0)  # long enough to press Ctrl-C while it runs
+    time.sleep(4.0)  # long enough to press Ctrl-C while it runs, on a loaded machine too
     return bundled(expression)
 """
 
 
 def test_chat_in_a_terminal_calls_the_calculator_and_answers(tmp_path: Path) -> None:
     """The whole session in a terminal: banner, a streamed tool call, its result, the answer; Ctrl-C at the prompt
-    and during a reply; /clear; /exit. The calculator is a user tool (the bundled one, 2 s slower), so it runs in the
+    and during a reply; /clear; /exit. The calculator is a user tool (the bundled one, 4 s slower), so it runs in the
     executor's worker process as a user's tool does."""
     (tmp_path / "slow.py").write_text(SLOW_CALCULATOR)
     tools = tmp_path / "tools.json"
