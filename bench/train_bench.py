@@ -465,6 +465,15 @@ def worker(args) -> None:
     )
 
 
+def free_port() -> int:
+    """A TCP port nobody listens on now (accelerate's default, 29500, would clash between runs side by side)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="sft_full,sft_lora")
@@ -495,7 +504,8 @@ def main() -> None:
         launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"] if gpus > 1 else []
         if gpus > 1 and impl.startswith("trl") and args.device == "cuda":  # TRL as its docs run it on several GPUs
             launcher = ["-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={gpus}"]
-            launcher += ["--mixed_precision=bf16"]
+            # a free port of its own, so that runs on disjoint GPUs of one host can go side by side
+            launcher += ["--mixed_precision=bf16", f"--main_process_port={free_port()}"]
         cmd = [
             sys.executable,
             *launcher,

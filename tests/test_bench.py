@@ -72,21 +72,28 @@ def test_variable_lengths_one_draw_per_sample_in_order_for_both_sides(bench):
     ]
 
 
-@pytest.mark.parametrize("case", ["sft_lora", "dpo_lora"])
-def test_train_bench_runs_our_cases_on_the_tiny_shape(case):
-    """The training bench's own path through our stages, on CPU with the tiny shape (a GPU call once found the dpo
-    case broken by a changed signature, after the machine had started)."""
+@pytest.mark.parametrize(("case", "trl"), [("sft_lora", "trl_wrapped"), ("dpo_lora", "trl")])
+def test_train_bench_runs_our_cases_and_trls_on_the_tiny_shape_with_the_same_losses(case, trl):
+    """The training bench's own path through our stages and TRL's trainers, on CPU with the tiny shape (a GPU call
+    once found the dpo case broken by a changed signature, after the machine had started). Both sides start from the
+    same weights and see the same data in the same order, so their first losses agree (float32 on CPU, printed to 5
+    decimals: 2e-5 allows one rounding step each way); the GPU tables' ratios rest on that."""
     import json
     import os
     import subprocess
 
     run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "train_bench.py"), "--cases", case, "--impls", "ours", "--shape", "tiny",
-         "--batch", "2", "--seq", "64", "--steps", "2", "--warmup", "1"],
+        [sys.executable, str(ROOT / "bench" / "train_bench.py"), "--cases", case, "--impls", f"ours,{trl}",
+         "--shape", "tiny", "--batch", "2", "--seq", "64", "--steps", "2", "--warmup", "1", "--lr", "1e-3"],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert [(r["case"], r["impl"], r["timed_steps"]) for r in results] == [(case, "ours", 2)], run.stdout[-2000:]
-    assert results[0]["tokens_per_s"] > 0 and len(results[0]["losses"]) == 3
+    assert [(r["case"], r["impl"], r["timed_steps"]) for r in results] == [(case, "ours", 2), (case, trl, 2)], (
+        run.stdout[-2000:] + run.stderr[-2000:]
+    )
+    ours, theirs = results
+    assert ours["tokens_per_s"] > 0 and theirs["tokens_per_s"] > 0 and len(ours["losses"]) == 3
+    assert ours["losses"] == pytest.approx(theirs["losses"], abs=2e-5)
+    assert len(set(ours["losses"])) > 1  # the steps trained: not the same number three times
