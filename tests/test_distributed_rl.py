@@ -65,13 +65,15 @@ def test_an_update_on_fixed_rollouts_is_the_same_on_one_and_two_processes(tmp_pa
 
     Tolerances: the first step's gradient (after DDP's sync, unclipped; the parameters are still the initial ones)
     differs only by float32 rounding of sums taken in another order over differently trimmed micro-batches: within
-    100 x eps of its largest entry (measured: 1.7e-6 relative). The second step's gradient is taken at parameters
-    that already differ by that rounding, passed through AdamW: within 2e-4 (measured: 3.5e-5). The parameters'
-    change over the two AdamW steps: AdamW moves a coordinate by about lr x g / (|g| + eps), so a coordinate whose
-    gradient is at the level of the rounding moves up to lr either way (8 of 1.8M coordinates differ by more than
-    0.1 x lr here); the change as a whole is compared: within 1e-2 of its norm (measured: 7.3e-4). A wrong gradient
-    scale (the x N that undoes DDP's average left out) or a per-rank aggregation fails each gradient check by 0.5 or
-    more.
+    100 x eps of its largest entry (measured: 1.7e-6 to 3.5e-6 relative on two CPUs). The second step's gradient is
+    taken at parameters that already differ by that rounding, passed through AdamW: within 2e-3 (measured: 3.5e-5 on
+    one CPU, up to 2.7e-4 on another, the packed gae case; neither a 100x larger AdamW epsilon nor a clip range that
+    never clips brought it below 6e-5 there: it is the loss's sensitivity to parameters that differ after one step,
+    not a discontinuity). The parameters' change over the two AdamW steps: AdamW moves a coordinate by about
+    lr x g / (|g| + eps), so a coordinate whose gradient is at the level of the rounding moves up to lr either way
+    (8 of 1.8M coordinates differ by more than 0.1 x lr here); the change as a whole is compared: within 1e-2 of its
+    norm (measured: up to 7.3e-4). A wrong gradient scale (the x N that undoes DDP's average left out) or a per-rank
+    aggregation fails each gradient check by 0.5 or more.
     """
     script = str(ROOT / "tests" / "distributed_rl_update.py")
     command = [sys.executable, script, str(tmp_path / "one")]
@@ -86,7 +88,7 @@ def test_an_update_on_fixed_rollouts_is_the_same_on_one_and_two_processes(tmp_pa
             names = [k for k in a["grads"] if k.startswith(step_key + ".")]
             largest = max(float(a["grads"][k].abs().max()) for k in names)
             diff = max(float((a["grads"][k] - b["grads"][k]).abs().max()) for k in names)
-            bound = 100 * F32 if step_key.endswith(".0") else 2e-4
+            bound = 100 * F32 if step_key.endswith(".0") else 2e-3
             assert diff <= bound * largest, (case, step_key, diff / largest)
         change, other = (torch.cat([u.flatten() for u in run["updates"].values()]) for run in (a, b))
         assert float((change - other).norm()) <= 1e-2 * float(change.norm()), case

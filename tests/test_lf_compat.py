@@ -296,6 +296,24 @@ def test_sft_mapping_and_notice(tmp_path: Path, caplog: pytest.LogCaptureFixture
     assert "ddp_timeout (the process group's timeout is Accelerate's)" in caplog.text
 
 
+def test_adamw_settings_reach_the_optimizer(tmp_path: Path):
+    """transformers' AdamW keys (adam_beta1/2, adam_epsilon, weight_decay) map to train.* and reach the optimizer
+    the engine builds (an epsilon left at AdamW's default would change small updates without a word)."""
+    import torch
+
+    from rlfactory.engine.shared import make_optimizer
+
+    extra = {"adam_beta1": 0.8, "adam_beta2": 0.95, "adam_epsilon": 1e-6, "weight_decay": 0.1}
+    path = write(tmp_path / "sft.yaml", lf_yaml("sft", "identity", tmp_path / "out", **extra))
+    train = load_config(path, [f"model_name_or_path={TINY_MODEL}"]).train
+    assert (train.adam_beta1, train.adam_beta2, train.adam_epsilon, train.weight_decay) == (0.8, 0.95, 1e-6, 0.1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    optimizer = make_optimizer(model, 1e-3, train)
+    decay, no_decay = optimizer.param_groups
+    assert (decay["betas"], decay["eps"], decay["weight_decay"]) == ((0.8, 0.95), 1e-6, 0.1)
+    assert (no_decay["eps"], no_decay["weight_decay"]) == (1e-6, 0.0)
+
+
 @pytest.mark.parametrize(
     ("extra", "expect"),
     [

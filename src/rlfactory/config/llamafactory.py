@@ -203,6 +203,7 @@ KEY_RULES: dict[str, Rule] = {
     "weight_decay": rules.to("train.weight_decay"),
     "adam_beta1": rules.to("train.adam_beta1"),
     "adam_beta2": rules.to("train.adam_beta2"),
+    "adam_epsilon": rules.to("train.adam_epsilon"),
     "max_grad_norm": rules.documented(
         rules.to("train.max_grad_norm", lambda v: v or None), "-> `train.max_grad_norm` (0: null)"
     ),

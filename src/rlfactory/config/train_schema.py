@@ -70,6 +70,7 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay (not applied to biases/norms).")
     adam_beta1: float = Field(0.9, gt=0, lt=1, description="AdamW beta1.")
     adam_beta2: float = Field(0.999, gt=0, lt=1, description="AdamW beta2.")
+    adam_epsilon: float = Field(1e-8, gt=0, allow_inf_nan=False, description="AdamW epsilon (in the denominator).")
     max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the gradient norm (null: no clipping).")
     skip_nonfinite_steps: int = Field(
         0,

@@ -205,7 +205,8 @@ def make_optimizer(model: Any, lr: float, train: TrainConfig) -> torch.optim.Opt
     groups = [group for group in groups if group["params"]]
     # fused AdamW on CUDA (one kernel for all of LoRA's hundreds of small tensors), as transformers' Trainer
     fused = torch.cuda.is_available() and all(p.is_floating_point() for g in groups for p in g["params"])
-    return torch.optim.AdamW(groups, lr=lr, betas=(train.adam_beta1, train.adam_beta2), fused=fused or None)
+    betas = (train.adam_beta1, train.adam_beta2)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=train.adam_epsilon, fused=fused or None)
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig, total_updates: int) -> Any:
