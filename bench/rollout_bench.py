@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "data" / "models" / "tiny-arith"
 # the benchmark model shape is defined once, in train_bench.py (this script runs from bench/, so it imports)
 from train_bench import SHAPES as TRAIN_SHAPES  # noqa: E402
+from train_bench import free_port  # noqa: E402
 
 SHAPES = {
     "qwen2.5-0.5b": TRAIN_SHAPES["qwen2.5-0.5b"],
@@ -630,7 +631,7 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--one", "--model-dir", str(model_dir), *passthrough, *extra]
         if "trl" in extra and args.gpus > 1:  # TRL's multi-GPU path: accelerate launch (DDP), bf16
             launch = ["-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={args.gpus}"]
-            launch += ["--mixed_precision=bf16"]
+            launch += ["--mixed_precision=bf16", f"--main_process_port={free_port()}"]  # side-by-side runs
             cmd = [sys.executable, *launch, *cmd[1:]]
         start = time.perf_counter()
         stdout, stderr, code = run_case(cmd, args.case_timeout)

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The 1-, 2- and 4-GPU scaling table (docs/BENCHMARKS.md, "Several GPUs"), ours beside TRL at its fastest
+# switches, in one device call on a 4-GPU host (nvidia-h100-x4 / nvidia-h200-x4):
+#
+#   bash bench/scaling_call.sh sft_full dpo_lora                       # offline cases, Qwen2.5-0.5B shape
+#   SHAPE=qwen2.5-7b BATCH=2 bash bench/scaling_call.sh sft_lora dpo_lora
+#   bash bench/scaling_call.sh grpo                                     # grpo LoRA, colocated vLLM, ours and TRL
+#   SHAPE=tiny BATCH=2 SEQ=64 STEPS=2 WARMUP=1 bash bench/scaling_call.sh sft_lora   # CPU smoke (gloo)
+#
+# Per case, the 1- and 2-GPU runs go side by side on disjoint GPUs (ours on GPU 0, TRL on GPU 1, both on GPUs
+# 2,3 one after the other), then the 4-GPU runs alone. Every process gets the CPU threads a 4-process launch gives
+# it (cores / 4), so the lanes do not fight over cores and a 1-GPU run is not favoured by more threads.
+# Needs in the checkout: .gpu/whl/*.whl (trl, datasets, multiprocess, liger-kernel) and, for grpo,
+# .gpu/vllm/setup.sh (a vLLM build for the device's torch). Writes $OUT/scaling_<case>.jsonl and one log per lane.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+[ $# -gt 0 ] || { sed -n 2,14p "$0"; exit 2; }
+OUT=${OUT:-/tmp/scaling}
+SHAPE=${SHAPE:-qwen2.5-0.5b}
+BATCH=${BATCH:-8}
+SEQ=${SEQ:-1024}
+STEPS=${STEPS:-4}
+WARMUP=${WARMUP:-2}
+mkdir -p "$OUT" /tmp/site
+if compgen -G ".gpu/whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl || exit 2
+fi
+if [ -f .gpu/vllm/setup.sh ]; then
+  # shellcheck disable=SC1091
+  source .gpu/vllm/setup.sh > /dev/null
+fi
+export PYTHONPATH="$PWD/src:$PWD:/tmp/site:${PYTHONPATH:-}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 DS_BUILD_OPS=0
+OMP_NUM_THREADS=$(($(nproc) / 4 > 0 ? $(nproc) / 4 : 1))
+export OMP_NUM_THREADS
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader 2> /dev/null || echo "no GPU: a CPU smoke run"
+
+# TRL's fastest switches found per case (docs/BENCHMARKS.md): packing wrapped + torch_compile for sft, Liger +
+# torch_compile for dpo
+trl_impl() {
+  case $1 in
+    sft_*) echo trl_wrapped_compile ;;
+    dpo_*) echo trl_liger_compile ;;
+    *) echo trl ;;
+  esac
+}
+
+offline() {  # offline <case> <impl> <gpus> <visible GPUs>
+  CUDA_VISIBLE_DEVICES=$4 python3 bench/train_bench.py --cases "$1" --impls "$2" --gpus "$3" --shape "$SHAPE" \
+    --batch "$BATCH" --seq "$SEQ" --accum 4 --steps "$STEPS" --warmup "$WARMUP" 2>> "$OUT/$1_$2_$3gpu.err" \
+    | grep '^{' >> "$OUT/scaling_$1.jsonl"
+}
+
+grpo() {  # grpo <gpus> <visible GPUs>
+  (cd bench && CUDA_VISIBLE_DEVICES=$2 timeout 560 python3 rollout_bench.py --cases grpo,trl --gpus "$1" \
+    --shape "$SHAPE" --steps 6 --warmup 2 --grpo-runs adapter:64:compile --case-timeout 260 \
+    --out "$OUT/scaling_grpo.jsonl" --log "$OUT/grpo_$1gpu.log" > /dev/null 2>&1)
+}
+
+for case in "$@"; do
+  start=$(date +%s)
+  if [ "$case" = grpo ]; then
+    grpo 1 0 & grpo 2 2,3 & wait
+    grpo 4 0,1,2,3
+  else
+    trl=$(trl_impl "$case")
+    offline "$case" ours_compile 1 0 &
+    offline "$case" "$trl" 1 1 &
+    (offline "$case" ours_compile 2 2,3; offline "$case" "$trl" 2 2,3) &
+    wait
+    offline "$case" ours_compile 4 0,1,2,3
+    offline "$case" "$trl" 4 0,1,2,3
+  fi
+  echo "$case: $(($(date +%s) - start)) s"
+  cat "$OUT/scaling_$case.jsonl" 2>/dev/null
+done
