@@ -117,3 +117,34 @@ def test_output_dir_holding_another_run(tmp_path: Path, sft_config: dict):
     result = run_cli("train", str(write_yaml(tmp_path / "run.yaml", sft_config)))
     _expect_clear_error(result, "already holds a run", "overwrite_output_dir: true")
     assert sorted(p.name for p in out.iterdir()) == ["config.yaml"]  # untouched
+
+
+def test_an_input_error_on_another_rank_is_printed_once_by_whoever_can(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
+    """Under torchrun every rank meets the same input error and rank 0 prints it. A rank that got there first and
+    exited made torchrun stop rank 0 before it printed (seen on a loaded machine: no reason shown at all), so another
+    rank waits for rank 0 to print and exit (torchrun then ends it), and prints the error itself, naming its rank,
+    if it is still running after that: an error only it met. A run stopped on purpose is agreed by every rank and
+    said once, by rank 0."""
+    from rlfactory import cli
+    from rlfactory.errors import RunStopped
+
+    monkeypatch.setattr(cli, "RANK_ERROR_GRACE_S", 0.05)
+    monkeypatch.setenv("RANK", "1")
+    missing = tmp_path / "missing.yaml"
+    start = time.monotonic()
+    assert cli.main(["train", str(missing)]) == 2
+    assert time.monotonic() - start >= 0.05  # it waited first
+    err = capsys.readouterr().err
+    assert err.startswith("error (rank 1): ") and str(missing) in err and err.count("\n") == 1, err
+
+    def stopped(_args):
+        raise RunStopped("SIGTERM at step 3: saved checkpoint-3", exit_code=143)
+
+    monkeypatch.setattr(cli, "cmd_train", stopped)
+    assert cli.main(["train", str(missing)]) == 143
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert cli.main(["train", str(missing)]) == 143
+    assert capsys.readouterr().err == "stopped: SIGTERM at step 3: saved checkpoint-3\n"

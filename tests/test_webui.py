@@ -28,6 +28,7 @@ from tests import webui_browser as kit
 from tests.conftest import DATA_DIR, ROOT, TINY_MODEL
 from tests.webui_browser import (
     HUB_MODEL,
+    PAGE_OPEN_MS,
     RUN_TIMEOUT_MS,
     blank_form,
     box,
@@ -329,7 +330,7 @@ def test_page_reload_reattaches_to_the_running_job(page, app_url):
     expect(page.locator("#monitor-status")).to_contain_text("stopped", timeout=30_000)
     assert not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     page.reload()  # nothing going on: the page opens on Start, and the form is blank
-    expect(page.locator("#gallery-start-sft")).to_be_visible(timeout=30_000)
+    expect(page.locator("#gallery-start-sft")).to_be_visible(timeout=PAGE_OPEN_MS)
     page.wait_for_timeout(2000)
     page.get_by_role("tab", name="Train").click()
     expect(box(page, "field-output_dir")).not_to_have_value(out)
@@ -469,7 +470,7 @@ def test_start_page_offers_the_examples_and_the_picker_fills_the_model(page, app
     expect(page.locator("#train-message")).to_contain_text("start it from the Start tab", timeout=30_000)
 
     page.reload()  # the blank form
-    expect(page.locator("#gallery-start-sft")).to_be_visible(timeout=30_000)
+    expect(page.locator("#gallery-start-sft")).to_be_visible(timeout=PAGE_OPEN_MS)
     page.get_by_role("tab", name="Train").click()
     options = _options(page, "model-picker")
     expect(options.filter(has_text="data/models/tiny-arith · local · own chat template: ChatML")).to_have_count(1)

@@ -11,10 +11,11 @@ import json
 import logging
 import os
 import sys
+import time
 import traceback
 
 from rlfactory import __version__
-from rlfactory.errors import UserError
+from rlfactory.errors import RunStopped, UserError
 
 EPILOG = """examples:
   rlfactory train examples/quickstart/sft.yaml
@@ -330,6 +331,23 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return chat(args)
 
 
+# How long a process other than rank 0 waits before printing an input error itself (see below).
+RANK_ERROR_GRACE_S = 10.0
+
+
+def _still_running_after_rank_0_had_time_to_print() -> bool:
+    """An input error on a process other than rank 0. Every rank usually meets the same one and rank 0 prints it;
+    but a rank that exits first makes torchrun stop the others, so on a loaded machine rank 0 was stopped before it
+    printed and the user saw no reason at all. So this rank waits: if rank 0 printed and exited, torchrun ends this
+    process during the wait; if it is still running after it, the error is its own (rank 0 did not meet it), and
+    it prints it. A run stopped on purpose (``RunStopped``) is agreed by all ranks and never waits."""
+    try:
+        time.sleep(RANK_ERROR_GRACE_S)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: rank 0 says what happened
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -355,11 +373,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handlers[args.command](args)
     except UserError as exc:
-        if os.environ.get("RANK", "0") == "0":  # several processes: the same input error once, from rank 0
-            if args.debug:  # with the library error behind the message (raised `from None` for users)
-                exc.__suppress_context__ = False
-                traceback.print_exception(exc, file=sys.stderr)
-            print(f"{exc.prefix}: {exc}", file=sys.stderr)
+        rank = int(os.environ.get("RANK", "0"))
+        if rank != 0 and (isinstance(exc, RunStopped) or not _still_running_after_rank_0_had_time_to_print()):
+            return exc.exit_code  # several processes: the same error once, from rank 0
+        if args.debug:  # with the library error behind the message (raised `from None` for users)
+            exc.__suppress_context__ = False
+            traceback.print_exception(exc, file=sys.stderr)
+        print(f"{exc.prefix}{f' (rank {rank})' if rank else ''}: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
