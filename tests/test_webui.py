@@ -915,6 +915,58 @@ def test_monitor_reads_any_stage_log(tmp_path: Path):
     assert monitor.log_text(tmp_path) == "start\nsft: 100%\ndone"
 
 
+def test_monitor_tick_sends_only_what_changed_and_throttles_the_charts(tmp_path: Path, monkeypatch):
+    """A Monitor tick redraws only the parts whose files changed (a loaded CI machine fell behind when each tick
+    redrew every chart, the log and the tables): nothing when nothing changed; a new log line moves the progress
+    bar at once but the charts only once ``CHART_REFRESH_S`` passed; the run's end redraws the charts at once."""
+    gr = pytest.importorskip("gradio", reason="the WebUI needs the webui extra (gradio)")
+    from rlfactory.webui import monitor_tab, runner, workspace
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(workspace, "_CURRENT", [])  # this test's workspace, restored after it
+    workspace.configure(str(tmp_path))
+    run = tmp_path / "outputs" / "run"
+    run.mkdir(parents=True)
+    log = run / "trainer_log.jsonl"
+    log.write_text(json.dumps({"step": 1, "loss": 2.0, "lr": 1e-4, "elapsed_s": 1, "eta_s": 9}) + "\n")
+    (run / "config.yaml").write_text("stage: sft\ntrain:\n  max_steps: 10\n")
+    (run / runner.LOG_NAME).write_text("step 1\n")
+    with gr.Blocks():
+        tab = monitor_tab.MonitorTab()
+    outputs = tab.outputs()
+
+    def sent(values: list) -> set:
+        """elem_ids (or State) of the outputs a tick sends (anything but gr.skip())."""
+        skip = repr(gr.skip())
+        return {c.elem_id or "state" for c, v in zip(outputs, values, strict=True) if repr(v) != skip}
+
+    def seen_of(values: list) -> dict:
+        return values[outputs.index(tab.fingerprint)]
+
+    first = tab.update(str(run), None)
+    assert {"monitor-status", "monitor-progress", "plot-0", "plot-1", "monitor-log", "runs-table"} <= sent(first)
+    assert sent(tab.update(str(run), seen_of(first))) == set()  # nothing changed on disk: nothing sent
+
+    with log.open("a") as handle:
+        handle.write(json.dumps({"step": 2, "loss": 1.5, "lr": 1e-4, "elapsed_s": 2, "eta_s": 8}) + "\n")
+    moved = tab.update(str(run), seen_of(first))
+    assert "monitor-progress" in sent(moved) and "step 2/10" in moved[outputs.index(tab.progress)]
+    assert not {"plot-0", "monitor-log", "monitor-status", "runs-table"} & sent(moved)  # charts: not yet due
+    assert sent(tab.update(str(run), seen_of(moved))) == set()  # still inside the chart interval
+
+    due = dict(seen_of(moved), charted_at=seen_of(moved)["charted_at"] - monitor_tab.CHART_REFRESH_S)
+    redrawn = tab.update(str(run), due)
+    assert {"plot-0", "runs-table"} <= sent(redrawn) and "monitor-progress" not in sent(redrawn)
+    loss_chart = redrawn[outputs.index(tab.charts[0][1])].value["data"]
+    assert [row[:2] for row in loss_chart if row[2] == "loss"] == [[1, 2.0], [2, 1.5]]
+
+    with log.open("a") as handle:
+        handle.write(json.dumps({"step": 3, "loss": 1.0, "lr": 1e-4, "elapsed_s": 3, "eta_s": 7}) + "\n")
+    (run / "run_summary.json").write_text(json.dumps({"global_step": 3}))  # the run ended: its last state in full
+    ended = tab.update(str(run), seen_of(redrawn))
+    assert {"plot-0", "monitor-progress", "monitor-status", "runs-table"} <= sent(ended)
+
+
 def test_tool_calls_are_parsed_and_shown():
     from rlfactory.webui import chat
 

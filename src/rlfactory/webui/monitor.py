@@ -244,18 +244,28 @@ def status_line(output_dir: str | Path) -> str:
     return line
 
 
-def fingerprint(output_dir: str | Path) -> tuple:
-    """Changes whenever anything the Monitor tab shows may have changed (cheap: stat calls only)."""
+def fingerprint(output_dir: str | Path) -> dict[str, Any]:
+    """What the Monitor tab shows may have changed when one of these parts changed (cheap: stat calls only): ``where``
+    (the run and, for a pipeline, the stage folder shown), ``records`` (trainer_log.jsonl), ``console`` (the console
+    log), ``state`` (the runner's state file and the run summary) and ``rollouts`` (the newest rollouts file). The tab
+    redraws only the parts whose files changed."""
     folder, data = Path(output_dir), stage_dir(output_dir)
-    stats = []
-    for name in (LOG_FILE, runner.LOG_NAME, runner.STATE_NAME, "run_summary.json"):
+
+    def stat(path: Path) -> tuple[int, int] | None:
         try:
-            info = ((data if name == LOG_FILE else folder) / name).stat()
-            stats.append((name, info.st_mtime_ns, info.st_size))
+            info = path.stat()
         except OSError:
-            stats.append((name, None, None))
+            return None
+        return info.st_mtime_ns, info.st_size
+
     rollouts = sorted((data / "rollouts").glob("step_*.jsonl")) if (data / "rollouts").is_dir() else []
-    return (str(folder), str(data), tuple(stats), rollouts[-1].stat().st_mtime_ns if rollouts else None)
+    return {
+        "where": (str(folder), str(data)),
+        "records": stat(data / LOG_FILE),
+        "console": stat(folder / runner.LOG_NAME),
+        "state": (stat(folder / runner.STATE_NAME), stat(folder / "run_summary.json")),
+        "rollouts": (rollouts[-1].name, stat(rollouts[-1])) if rollouts else None,
+    }
 
 
 def list_runs(root: str | Path = RUNS_ROOT) -> list[dict[str, Any]]:

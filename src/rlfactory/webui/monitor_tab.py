@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import time
 from typing import Any
 
 import gradio as gr
@@ -14,6 +15,7 @@ from rlfactory.webui.health_panel import HealthPanel
 from rlfactory.webui.train_tab import error_md, stop_message
 
 TICK_S = 1.0
+CHART_REFRESH_S = 5.0  # a live run's charts: redrawn at most this often (see MonitorTab.update)
 CHARTS_PER_ROW = 3
 ROLLOUT_WIDTHS = ["30%", "34%"]  # prompt, completion; the numeric columns share the rest
 # Vega's own category colours; an alert's marker is red
@@ -95,45 +97,78 @@ class MonitorTab:
             *self.health.outputs(),
         ]  # fmt: skip
 
-    def update(self, run: str | None, seen: Any) -> list[Any]:
-        """Everything the tab shows, or gr.skip() for all when nothing changed on disk since ``seen``."""
+    def update(self, run: str | None, seen: dict[str, Any] | None) -> list[Any]:
+        """What changed on disk since ``seen`` (the parts of ``monitor.fingerprint`` last shown), redrawn; gr.skip()
+        for the rest.
+
+        Each part is sent only when its file changed: the status line and the runs table with the run's state, the
+        log tail with the console log, the rollouts table with the newest rollouts file, the progress bar and the
+        health alerts with trainer_log.jsonl. The charts follow trainer_log.jsonl too, but at most every
+        ``CHART_REFRESH_S`` while the run is live: every chart sent is drawn again in the browser, and a CI machine
+        with busy cores fell behind when a tick redrew them all each second (the page stopped answering)."""
+        outputs = self.outputs()
         if not run:
-            return [gr.skip()] * len(self.outputs())
+            return [gr.skip()] * len(outputs)
         try:
             workspace.current().readable(run, "run")
         except UserError as exc:
-            skips = [gr.skip()] * len(self.health.outputs())
-            return [error_md(exc), *[gr.skip()] * (len(self.outputs()) - 2 - len(skips)), None, *skips]
-        current = monitor.fingerprint(run)
-        if current == seen:
-            return [gr.skip()] * len(self.outputs())
-        records = monitor.read_records(run)
+            shown = {self.status: error_md(exc), self.fingerprint: None}  # readable again: everything redrawn
+            return [shown.get(component, gr.skip()) for component in outputs]
+        parts = monitor.fingerprint(run)
+        seen = seen if seen and seen.get("where") == parts["where"] else {}  # another run or stage: redraw it all
+        changed = {key for key, value in parts.items() if seen.get(key, ()) != value}
+        # the charts lag the log while throttled: they are due once the log moved past what they show
+        charts_behind = seen.get("charted", ()) != parts["records"]
+        charts_due = (
+            "charted" not in seen or "state" in changed or time.monotonic() - seen["charted_at"] >= CHART_REFRESH_S
+        )
+        if not changed and not (charts_behind and charts_due):
+            return [gr.skip()] * len(outputs)
+        out: dict[Any, Any] = {self.fingerprint: dict(seen, **parts)}
+        if "state" in changed:
+            out[self.status] = monitor.status_line(run)
+        if "console" in changed:
+            out[self.log] = monitor.log_text(run)
+        if "rollouts" in changed:
+            out[self.rollouts] = self._rollouts_table(run)
+        if "records" in changed or (charts_behind and charts_due):
+            records = monitor.read_records(run)
+            if "records" in changed:
+                out[self.progress] = _progress_html(*monitor.progress(run, records))
+                out.update(zip(self.health.outputs(), self.health.update(run, records), strict=True))
+            if charts_behind and charts_due:
+                out.update(self._charts(records))
+                out[self.runs] = _runs_table()  # the run's step changed: so did its row
+                out[self.fingerprint].update(charted=parts["records"], charted_at=time.monotonic())
+        if "state" in changed:
+            out[self.runs] = _runs_table()  # the run's status changed: so did its row
+        return [out.get(component, gr.skip()) for component in outputs]
+
+    def _charts(self, records: list[dict[str, Any]]) -> dict[Any, Any]:
         charts = monitor.alert_markers(monitor.chart_series(records), rollout_view.alerts(records))
-        plots = []
-        for index in range(monitor.MAX_CHARTS):
+        out: dict[Any, Any] = {}
+        for index, (column, plot, legend) in enumerate(self.charts):
             if index < len(charts):
                 title, rows = charts[index]
                 colors = series_colors(rows)
-                plot = gr.LinePlot(value=pd.DataFrame(rows), label=title, title=title, color_map=colors)
-                plots += [gr.Column(visible=True), plot, legend_html(colors)]
+                out[column] = gr.Column(visible=True)
+                out[plot] = gr.LinePlot(value=pd.DataFrame(rows), label=title, title=title, color_map=colors)
+                out[legend] = legend_html(colors)
             else:
-                plots += [gr.Column(visible=False), gr.skip(), gr.skip()]
-        name, rollout_rows = monitor.rollouts(run)
-        rollouts = (
-            gr.Dataframe(
-                value=pd.DataFrame(rollout_rows).round(3),
-                label=f"latest rollouts ({name})",
-                visible=True,
-                column_widths=ROLLOUT_WIDTHS,  # prompt and completion wrap; the numbers stay in view
-            )
-            if rollout_rows
-            else gr.Dataframe(visible=False)
+                out[column] = gr.Column(visible=False)
+        return out
+
+    @staticmethod
+    def _rollouts_table(run: str) -> Any:
+        name, rows = monitor.rollouts(run)
+        if not rows:
+            return gr.Dataframe(visible=False)
+        return gr.Dataframe(
+            value=pd.DataFrame(rows).round(3),
+            label=f"latest rollouts ({name})",
+            visible=True,
+            column_widths=ROLLOUT_WIDTHS,  # prompt and completion wrap; the numbers stay in view
         )
-        fraction, line = monitor.progress(run, records)
-        status = monitor.status_line(run)
-        runs = _runs_table()  # the run's status or step changed: so did its row
-        shown = [status, _progress_html(fraction, line), *plots, monitor.log_text(run), rollouts, runs, current]
-        return [*shown, *self.health.update(run, records)]
 
     def on_stop(self, run: str | None) -> str:
         return stop_message(run) if run else "pick a run first"
