@@ -1,33 +1,39 @@
 #!/usr/bin/env bash
 # The 1-, 2- and 4-GPU scaling table (docs/BENCHMARKS.md, "Several GPUs"), ours beside TRL at its fastest
-# switches, in one device call on a 4-GPU host (nvidia-h100-x4 / nvidia-h200-x4):
+# switches, in one device call on a 4-GPU host (nvidia-h100-x4 / nvidia-h200-x4) or a 2-GPU one:
 #
 #   bash bench/scaling_call.sh sft_full dpo_lora                       # offline cases, Qwen2.5-0.5B shape
 #   SHAPE=qwen2.5-7b BATCH=2 bash bench/scaling_call.sh sft_lora dpo_lora
 #   bash bench/scaling_call.sh grpo                                     # grpo LoRA, colocated vLLM, ours and TRL
 #   SHAPE=tiny BATCH=2 SEQ=64 STEPS=2 WARMUP=1 bash bench/scaling_call.sh sft_lora   # CPU smoke (gloo)
+#   LEVERS=ours_compile-masksel bash bench/scaling_call.sh dpo_lora           # also the code before a change
 #
 # Per case, the 1- and 2-GPU runs go side by side on disjoint GPUs (ours on GPU 0, TRL on GPU 1, both on GPUs
-# 2,3 one after the other), then the 4-GPU runs alone. Every process gets the CPU threads a 4-process launch gives
+# 2,3 one after the other), then the 4-GPU runs alone; on a 2-GPU host (nvidia-h100-x2 / nvidia-h200-x2) the
+# 1-GPU runs side by side, then the 2-GPU runs. Every process gets the CPU threads a 4-process launch gives
 # it (cores / 4), so the lanes do not fight over cores and a 1-GPU run is not favoured by more threads.
-# Needs in the checkout: .gpu/whl/*.whl (trl, datasets, multiprocess, liger-kernel) and, for grpo,
+# Needs in the checkout: .gpu/whl (setup.sh or *.whl: trl, datasets, multiprocess, liger-kernel) and, for grpo,
 # .gpu/vllm/setup.sh (a vLLM build for the device's torch). Writes $OUT/scaling_<case>.jsonl and one log per lane.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { sed -n 2,14p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,15p "$0"; exit 2; }
 OUT=${OUT:-/tmp/scaling}
 SHAPE=${SHAPE:-qwen2.5-0.5b}
 BATCH=${BATCH:-8}
 SEQ=${SEQ:-1024}
 STEPS=${STEPS:-4}
 WARMUP=${WARMUP:-2}
+LEVERS=${LEVERS:-}  # offline cases: more impls of ours (e.g. ours_compile-masksel) on 1 GPU (beside TRL's lane) and 4
 mkdir -p "$OUT" /tmp/site
-if compgen -G ".gpu/whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl || exit 2
-fi
 if [ -f .gpu/vllm/setup.sh ]; then
   # shellcheck disable=SC1091
   source .gpu/vllm/setup.sh > /dev/null
+fi
+if [ -f .gpu/whl/setup.sh ]; then  # the packages as one archive (unpacked into /tmp/site)
+  # shellcheck disable=SC1091
+  source .gpu/whl/setup.sh > /dev/null
+elif compgen -G ".gpu/whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl || exit 2
 fi
 export PYTHONPATH="$PWD/src:$PWD:/tmp/site:${PYTHONPATH:-}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 DS_BUILD_OPS=0
 OMP_NUM_THREADS=$(($(nproc) / 4 > 0 ? $(nproc) / 4 : 1))
@@ -56,19 +62,27 @@ grpo() {  # grpo <gpus> <visible GPUs>
     --out "$OUT/scaling_grpo.jsonl" --log "$OUT/grpo_$1gpu.log" > /dev/null 2>&1)
 }
 
+# the host's GPU count (4 on a CPU smoke run): 4 -> lanes 0 | 1 | 2,3 then 0-3; 2 -> lanes 0 | 1 then 0,1
+NGPU=${NGPU:-$(nvidia-smi -L 2> /dev/null | grep -c '^GPU' || true)}
+[ "${NGPU:-0}" -gt 0 ] || NGPU=4
+ALL=$(seq -s, 0 $((NGPU - 1)))
 for case in "$@"; do
   start=$(date +%s)
-  if [ "$case" = grpo ]; then
+  if [ "$case" = grpo ] && [ "$NGPU" -ge 4 ]; then
     grpo 1 0 & grpo 2 2,3 & wait
-    grpo 4 0,1,2,3
+    grpo 4 "$ALL"
+  elif [ "$case" = grpo ]; then
+    grpo 1 0
+    grpo "$NGPU" "$ALL"
   else
     trl=$(trl_impl "$case")
-    offline "$case" ours_compile 1 0 &
-    offline "$case" "$trl" 1 1 &
-    (offline "$case" ours_compile 2 2,3; offline "$case" "$trl" 2 2,3) &
+    (offline "$case" ours_compile 1 0; [ "$NGPU" -ge 4 ] || for lever in $LEVERS; do offline "$case" "$lever" 1 0; done) &
+    (offline "$case" "$trl" 1 1; [ "$NGPU" -lt 4 ] || for lever in $LEVERS; do offline "$case" "$lever" 1 1; done) &
+    [ "$NGPU" -lt 4 ] || (offline "$case" ours_compile 2 2,3; offline "$case" "$trl" 2 2,3) &
     wait
-    offline "$case" ours_compile 4 0,1,2,3
-    offline "$case" "$trl" 4 0,1,2,3
+    offline "$case" ours_compile "$NGPU" "$ALL"
+    offline "$case" "$trl" "$NGPU" "$ALL"
+    for lever in $LEVERS; do offline "$case" "$lever" "$NGPU" "$ALL"; done
   fi
   echo "$case: $(($(date +%s) - start)) s"
   cat "$OUT/scaling_$case.jsonl" 2>/dev/null

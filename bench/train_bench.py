@@ -15,7 +15,10 @@ Levers under test append to an ``ours*`` name: ``-c8192`` (LM-head rows per chun
 a 1.25 GB logits budget), ``-autotune`` / ``-cudagraphs`` (the per-layer compile in mode
 max-autotune-no-cudagraphs / reduce-overhead), ``-decoder`` (the whole decoder compiled as one graph),
 ``-mem`` (GPU memory after the forward, after the loss and at the backward's peak, per step), ``-ddpsplit``
-(dynamo's DDP graph split left on: each compiled layer cut at the gradient buckets, as before the change).
+(dynamo's DDP graph split left on: each compiled layer cut at the gradient buckets, as before the change),
+``-masksel`` (dpo: response positions selected by a boolean mask on the GPU, a host wait per forward, instead of
+the collate's host-side row indices) and ``-indexadd`` (those rows taken with ``index_select``, whose backward
+adds with atomics), both as before the thirteenth session.
 ``--profile`` writes each worker's kernel-time table (torch.profiler) to $OUT.
 
 Each (case, impl) runs in its own subprocess (a fresh CUDA context, so peak memory is its own); with
@@ -224,6 +227,12 @@ def run_ours(args, model, tokenizer, sequences, out: str) -> tuple[list[float], 
             shared.keep_layer_graphs_whole = lambda: None
         elif variant == "mem":
             parts.loss_fn = _memory_phases(model, parts.loss_fn)
+        elif variant == "masksel":  # dpo/rm: response rows selected by a boolean mask on the GPU (before session 13)
+            parts.collate = _without_host_rows(parts.collate)
+        elif variant == "indexadd":  # the head's row selection with index_select's atomic-add backward (before)
+            from rlfactory.model import lm_head
+
+            lm_head.select_rows = lambda source, rows: source.index_select(0, rows)
     stage = args.case.split("_")[0]
     cfg = validate_config(
         {
@@ -249,6 +258,17 @@ def run_ours(args, model, tokenizer, sequences, out: str) -> tuple[list[float], 
     elapsed = [r["elapsed_s"] for r in records]
     steps = [b - a for a, b in zip(elapsed, elapsed[1:], strict=False)][args.warmup - 1 :]
     return steps, [r["loss"] for r in records]
+
+
+def _without_host_rows(collate):
+    """The collate without its host-side ``logp_rows``: ``forward_logps`` then selects rows with a boolean mask."""
+
+    def wrapped(items):
+        batch = collate(items)
+        batch.pop("logp_rows", None)
+        return batch
+
+    return wrapped
 
 
 COMPILE_MODES = {"autotune": "max-autotune-no-cudagraphs", "cudagraphs": "reduce-overhead"}

@@ -6,6 +6,7 @@ truncation counts, loss-type checks, KTO's mismatched KL rows and the RM loss ag
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 
@@ -241,6 +242,46 @@ def test_forward_logps_fused_head_equals_full_logits(tokenizer, model):
     torch.testing.assert_close(sums, want_sums, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(means, want_means, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fused_grad, want_grad, atol=1e-4, rtol=1e-4)
+
+
+def test_logp_rows_from_the_host_give_the_boolean_masks_logps_and_grads(tokenizer, model):
+    """``logp_rows`` (the collate's flat indices of the trained next-token positions, found on the host so the GPU
+    never waits on a boolean selection) selects exactly the mask's positions: the same log-probs and gradients as
+    the boolean-mask path, in float64."""
+    items = preference_data.render_pairs(_cfg(), tokenizer, _pairs(4))
+    batch = preference_data.collate_pairs(tokenizer.pad_token_id)(items)
+    shifted = torch.zeros_like(batch["loss_mask"])
+    shifted[:, :-1] = batch["loss_mask"][:, 1:]
+    assert batch["logp_rows"].tolist() == shifted.flatten().nonzero().squeeze(1).tolist()
+    model64 = copy.deepcopy(model).double()
+    params = [p for p in model64.parameters() if p.requires_grad]
+    results = []
+    for with_rows in (True, False):
+        use = batch if with_rows else {k: v for k, v in batch.items() if k != "logp_rows"}
+        sums, means = preference_data.forward_logps(model64, use)
+        results.append((sums, means, torch.autograd.grad(sums.sum() + means.sum(), params)))
+    (sums, means, grads), (want_sums, want_means, want_grads) = results
+    torch.testing.assert_close(sums, want_sums, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(means, want_means, rtol=1e-12, atol=1e-12)
+    for grad, want in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(grad, want, rtol=1e-12, atol=1e-12)
+
+
+def test_select_rows_has_index_selects_values_and_gradient():
+    """``lm_head.select_rows`` (a copying backward instead of index_select's atomic adds) is index_select, forward
+    and backward, for distinct rows; rows left out get a zero gradient."""
+    from rlfactory.model.lm_head import select_rows
+
+    source = torch.randn(12, 5, dtype=torch.float64, requires_grad=True)
+    rows = torch.tensor([7, 0, 3, 11, 4])
+    weights = torch.randn(5, 5, dtype=torch.float64)
+    picked = select_rows(source, rows)
+    want = source.index_select(0, rows)
+    torch.testing.assert_close(picked, want, rtol=0, atol=0)
+    grad = torch.autograd.grad((picked * weights).sum(), source)[0]
+    want_grad = torch.autograd.grad((want * weights).sum(), source)[0]
+    torch.testing.assert_close(grad, want_grad, rtol=0, atol=0)
+    assert grad[[1, 2, 5, 6, 8, 9, 10]].abs().sum() == 0
 
 
 def test_truncation_splits_the_budget_as_llamafactory_and_counts(tokenizer, caplog):

@@ -48,6 +48,28 @@ def _final_hidden(model: Any, decoder: Any, inputs: dict[str, torch.Tensor]) -> 
     return captured[-1]
 
 
+class _SelectRows(torch.autograd.Function):
+    """``source.index_select(0, rows)`` for distinct ``rows``, whose backward writes each row's gradient once
+    (``index_copy_``). ``index_select``'s own backward adds with atomics (``index_add_``), which are slow on bf16
+    hidden states; written by hand because torch has no gather with a copying backward."""
+
+    @staticmethod
+    def forward(ctx: Any, source: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(rows)
+        ctx.source_shape = source.shape
+        return source.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (rows,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.source_shape).index_copy_(0, rows, grad), None
+
+
+def select_rows(source: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The rows ``rows`` (distinct flat indices, e.g. from the collate) of a (R, H) tensor, differentiably."""
+    return _SelectRows.apply(source, rows)
+
+
 def nll_sum(
     model: Any,
     inputs: dict[str, torch.Tensor],
@@ -70,7 +92,7 @@ def nll_sum(
         rows = (targets != -100).flatten().nonzero().squeeze(1)
     hidden = _final_hidden(model, decoder, inputs)
     return linear_nll_sum(
-        hidden.flatten(0, 1).index_select(0, rows),
+        select_rows(hidden.flatten(0, 1), rows),
         head.weight,
         targets.flatten().index_select(0, rows),
         kernels=kernels,
@@ -78,12 +100,19 @@ def nll_sum(
 
 
 def next_token_logps(
-    model: Any, inputs: dict[str, torch.Tensor], mask: torch.Tensor, kernels: HeadKernels = HeadKernels()
+    model: Any,
+    inputs: dict[str, torch.Tensor],
+    mask: torch.Tensor,
+    kernels: HeadKernels = HeadKernels(),
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(N, T) float32: at each position t with ``mask[:, t]`` the log-prob of ``input_ids[:, t + 1]``, else 0.
 
     ``inputs``: the model's keyword inputs (``input_ids`` plus ``attention_mask`` / ``position_ids`` when
-    present); ``mask``: (N, T) bool, False in the last column (nothing follows it).
+    present); ``mask``: (N, T) bool, False in the last column (nothing follows it). ``rows``: the flat (N x T)
+    indices of ``mask``'s True positions when the caller has them from the host (the preference collates do):
+    selecting by a boolean mask on the GPU waits for it (the count of rows decides the output's size), and each
+    such wait leaves the GPU idle while the host launches what follows.
     """
     ids = inputs["input_ids"]
     targets = torch.zeros_like(ids)
@@ -93,6 +122,11 @@ def next_token_logps(
         logits = model(**inputs, use_cache=False).logits
         return token_logprobs(logits, targets) * mask
     decoder, head = parts
-    hidden = _final_hidden(model, decoder, inputs)[mask]
-    picked = linear_token_logprobs(hidden, head.weight, targets[mask], kernels=kernels)
-    return torch.zeros(mask.shape, dtype=picked.dtype, device=picked.device).masked_scatter(mask, picked)
+    hidden = _final_hidden(model, decoder, inputs)
+    if rows is None:
+        picked = linear_token_logprobs(hidden[mask], head.weight, targets[mask], kernels=kernels)
+        return torch.zeros(mask.shape, dtype=picked.dtype, device=picked.device).masked_scatter(mask, picked)
+    flat = select_rows(hidden.flatten(0, 1), rows)
+    picked = linear_token_logprobs(flat, head.weight, targets.flatten().index_select(0, rows), kernels=kernels)
+    out = torch.zeros(mask.numel(), dtype=picked.dtype, device=picked.device)
+    return out.index_put((rows,), picked).view(mask.shape)

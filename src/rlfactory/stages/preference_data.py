@@ -149,7 +149,8 @@ def fit_counts(cfg: RunConfig, tokenizer: Any, examples: list[dict]) -> FitCount
 
 
 def pad_rows(rows: list[Row], pad_id: int) -> Batch:
-    """Right-padded ``input_ids``, ``attention_mask`` and ``loss_mask`` (True on trained response tokens).
+    """Right-padded ``input_ids``, ``attention_mask`` and ``loss_mask`` (True on trained response tokens), and
+    ``logp_rows``: the flat (rows x width) indices of the positions whose next token is trained.
 
     Without padding the mask is left out, as in sft: sdpa then runs its causal kernel instead of a masked one.
     """
@@ -162,9 +163,12 @@ def pad_rows(rows: list[Row], pad_id: int) -> Batch:
         ids[row, : n + m] = torch.tensor(prompt + response, dtype=torch.long)
         attention[row, : n + m] = 1
         loss_mask[row, n : n + m] = torch.tensor(mask, dtype=torch.bool)
+    # the positions whose next token is trained, found here on the host (``forward_logps``: no GPU wait)
+    logp_rows = loss_mask[:, 1:].nonzero()
+    logp_rows = logp_rows[:, 0] * width + logp_rows[:, 1]
     if bool(attention.all()):  # no padding: without a mask, sdpa takes its fast causal (flash) path
-        return {"input_ids": ids, "loss_mask": loss_mask}
-    return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
+        return {"input_ids": ids, "loss_mask": loss_mask, "logp_rows": logp_rows}
+    return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask, "logp_rows": logp_rows}
 
 
 def collate_pairs(pad_id: int) -> Callable[[list[dict]], Batch]:
@@ -217,7 +221,7 @@ def forward_logps(
         inputs["attention_mask"] = batch[f"{prefix}attention_mask"]
     mask = torch.zeros_like(batch[f"{prefix}loss_mask"])
     mask[:, :-1] = batch[f"{prefix}loss_mask"][:, 1:]  # position t predicts token t+1
-    sums = next_token_logps(model, inputs, mask, kernels).sum(-1)
+    sums = next_token_logps(model, inputs, mask, kernels, rows=batch.get(f"{prefix}logp_rows")).sum(-1)
     return sums, sums / mask.sum(-1).clamp(min=1)
 
 
