@@ -74,9 +74,20 @@ def serving(
                     raise TimeoutError(f"no answer within {timeout} s:\n{log_path.read_text()[-3000:]}") from None
                 time.sleep(0.5)
         yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
+    except BaseException:
+        process.kill()
+        raise
+    # a SIGTERM (what a service manager or `docker stop` sends) ends the server with everything it started
+    import psutil
+
+    children = psutil.Process(process.pid).children(recursive=True)
+    process.terminate()
+    process.wait(timeout=60)
+    _, alive = psutil.wait_procs(children, timeout=60)
+    left = [" ".join(child.cmdline()[:4]) for child in alive]
+    for child in alive:
+        child.kill()
+    assert not left, f"rlfactory serve ended on SIGTERM but left running: {left}"
 
 
 REFERENCE: dict[str, list[int]] = {}

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -125,11 +126,27 @@ def serve_vllm(source: ModelSource, opts: ServeOptions) -> int:
         template.write_text(tokenizer.chat_template)
         command = vllm_command(source, opts, str(template))
         print(f"starting vLLM's server: {' '.join(command)}", file=sys.stderr)
-        process = subprocess.Popen(command, env=env)
+        process = subprocess.Popen(command, env=env, preexec_fn=_stop_with_parent())
+        # Ctrl-C reaches vLLM too (same process group), a SIGTERM to us does not: pass it on, or vLLM's server
+        # outlives this command (a test's terminate() left one running for good)
+        previous = signal.signal(signal.SIGTERM, lambda *_: process.terminate())
         try:
             return process.wait()
-        finally:  # Ctrl-C reached vLLM too (same process group): wait for it to shut down
+        finally:  # wait for vLLM to shut down
             process.wait()
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _stop_with_parent() -> Any:
+    """For vLLM's server process (Linux): a SIGTERM when this command dies without passing one on (SIGKILL). prctl
+    is looked up here, before the fork, so the child only makes the call (no loader lock in a forked child)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    pr_set_pdeathsig = 1
+    return lambda: prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def vllm_command(source: ModelSource, opts: ServeOptions, template_file: str) -> list[str]:
