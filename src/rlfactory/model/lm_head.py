@@ -50,8 +50,9 @@ def _final_hidden(model: Any, decoder: Any, inputs: dict[str, torch.Tensor]) -> 
 
 class _SelectRows(torch.autograd.Function):
     """``source.index_select(0, rows)`` for distinct ``rows``, whose backward writes each row's gradient once
-    (``index_copy_``). ``index_select``'s own backward adds with atomics (``index_add_``), which are slow on bf16
-    hidden states; written by hand because torch has no gather with a copying backward."""
+    (``index_copy_``) where ``index_select``'s own adds with atomics (``index_add_``). Written by hand because torch
+    has no gather with a copying backward; measured no slower, and faster in some runs (docs/BENCHMARKS.md,
+    thirteenth session: sft LoRA 0.369 against 0.489 and 0.414 s/step, within a run-to-run spread of up to 30%)."""
 
     @staticmethod
     def forward(ctx: Any, source: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
