@@ -123,10 +123,9 @@ def next_token_logps(
         logits = model(**inputs, use_cache=False).logits
         return token_logprobs(logits, targets) * mask
     decoder, head = parts
+    if rows is None:  # found on the device: a wait
+        rows = mask.flatten().nonzero().squeeze(1)
     hidden = _final_hidden(model, decoder, inputs)
-    if rows is None:
-        picked = linear_token_logprobs(hidden[mask], head.weight, targets[mask], kernels=kernels)
-        return torch.zeros(mask.shape, dtype=picked.dtype, device=picked.device).masked_scatter(mask, picked)
     flat = select_rows(hidden.flatten(0, 1), rows)
     picked = linear_token_logprobs(flat, head.weight, targets.flatten().index_select(0, rows), kernels=kernels)
     out = torch.zeros(mask.numel(), dtype=picked.dtype, device=picked.device)

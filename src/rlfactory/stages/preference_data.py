@@ -166,9 +166,10 @@ def pad_rows(rows: list[Row], pad_id: int) -> Batch:
     # the positions whose next token is trained, found here on the host (``forward_logps``: no GPU wait)
     logp_rows = loss_mask[:, 1:].nonzero()
     logp_rows = logp_rows[:, 0] * width + logp_rows[:, 1]
-    if bool(attention.all()):  # no padding: without a mask, sdpa takes its fast causal (flash) path
-        return {"input_ids": ids, "loss_mask": loss_mask, "logp_rows": logp_rows}
-    return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask, "logp_rows": logp_rows}
+    batch = {"input_ids": ids, "loss_mask": loss_mask, "logp_rows": logp_rows}
+    if not bool(attention.all()):  # no padding: without a mask, sdpa takes its fast causal (flash) path
+        batch["attention_mask"] = attention
+    return batch
 
 
 def collate_pairs(pad_id: int) -> Callable[[list[dict]], Batch]:
