@@ -23,6 +23,9 @@ BATCH=${BATCH:-8}
 SEQ=${SEQ:-1024}
 STEPS=${STEPS:-4}
 WARMUP=${WARMUP:-2}
+GRPO_CASES=${GRPO_CASES:-grpo,trl}  # grpo: ours and TRL's GRPOTrainer, one after the other in each lane
+CASE_TIMEOUT=${CASE_TIMEOUT:-260}   # grpo: seconds per case (vLLM's start-up included), and per lane below
+LANE_TIMEOUT=${LANE_TIMEOUT:-560}
 LEVERS=${LEVERS:-}  # offline cases: more impls of ours (e.g. ours_compile-masksel) on 1 GPU (beside TRL's lane) and 4
 mkdir -p "$OUT" /tmp/site
 if [ -f .gpu/vllm/setup.sh ]; then
@@ -57,8 +60,8 @@ offline() {  # offline <case> <impl> <gpus> <visible GPUs>
 }
 
 grpo() {  # grpo <gpus> <visible GPUs>
-  (cd bench && CUDA_VISIBLE_DEVICES=$2 timeout 560 python3 rollout_bench.py --cases grpo,trl --gpus "$1" \
-    --shape "$SHAPE" --steps 6 --warmup 2 --grpo-runs adapter:64:compile --case-timeout 260 \
+  (cd bench && CUDA_VISIBLE_DEVICES=$2 timeout "$LANE_TIMEOUT" python3 rollout_bench.py --cases "$GRPO_CASES" --gpus "$1" \
+    --shape "$SHAPE" --steps "${GRPO_STEPS:-6}" --warmup 2 --grpo-runs adapter:64:compile --case-timeout "$CASE_TIMEOUT" \
     --out "$OUT/scaling_grpo.jsonl" --log "$OUT/grpo_$1gpu.log" > /dev/null 2>&1)
 }
 

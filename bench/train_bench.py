@@ -16,6 +16,7 @@ a 1.25 GB logits budget), ``-autotune`` / ``-cudagraphs`` (the per-layer compile
 max-autotune-no-cudagraphs / reduce-overhead), ``-decoder`` (the whole decoder compiled as one graph),
 ``-mem`` (GPU memory after the forward, after the loss and at the backward's peak, per step), ``-ddpsplit``
 (dynamo's DDP graph split left on: each compiled layer cut at the gradient buckets, as before the change),
+``-static`` / ``-bigbucket`` / ``-bucketview`` (DDP's static_graph, a 1 GB bucket, gradient_as_bucket_view),
 ``-masksel`` (dpo: response positions selected by a boolean mask on the GPU, a host wait per forward, instead of
 the collate's host-side row indices) and ``-indexadd`` (those rows taken with ``index_select``, whose backward
 adds with atomics), both as before the thirteenth session.
@@ -229,10 +230,14 @@ def run_ours(args, model, tokenizer, sequences, out: str) -> tuple[list[float], 
             parts.loss_fn = _memory_phases(model, parts.loss_fn)
         elif variant == "masksel":  # dpo/rm: response rows selected by a boolean mask on the GPU (before session 13)
             parts.collate = _without_host_rows(parts.collate)
+        elif variant in DDP_LEVERS:  # DDP's own switches, through Accelerate's kwargs handler
+            _ddp_kwargs.update(DDP_LEVERS[variant])
         elif variant == "indexadd":  # the head's row selection with index_select's atomic-add backward (before)
             from rlfactory.model import lm_head
 
             lm_head.select_rows = lambda source, rows: source.index_select(0, rows)
+    if _ddp_kwargs:
+        _with_ddp_kwargs(_ddp_kwargs)
     stage = args.case.split("_")[0]
     cfg = validate_config(
         {
@@ -258,6 +263,28 @@ def run_ours(args, model, tokenizer, sequences, out: str) -> tuple[list[float], 
     elapsed = [r["elapsed_s"] for r in records]
     steps = [b - a for a, b in zip(elapsed, elapsed[1:], strict=False)][args.warmup - 1 :]
     return steps, [r["loss"] for r in records]
+
+
+DDP_LEVERS = {
+    "static": {"static_graph": True},
+    "bigbucket": {"bucket_cap_mb": 1024},
+    "bucketview": {"gradient_as_bucket_view": True},
+}
+_ddp_kwargs: dict = {}
+
+
+def _with_ddp_kwargs(kwargs: dict) -> None:
+    """Every Accelerator built from now on wraps the model in DDP with these switches."""
+    import accelerate
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    base = accelerate.Accelerator
+
+    class WithDDPKwargs(base):
+        def __init__(self, *a, **k):
+            super().__init__(*a, kwargs_handlers=[DistributedDataParallelKwargs(**kwargs)], **k)
+
+    accelerate.Accelerator = WithDDPKwargs
 
 
 def _without_host_rows(collate):
@@ -443,6 +470,13 @@ def worker(args) -> None:
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     runner = run_ours if args.impl.startswith("ours") else run_trl
+    if args.trace_step:  # one optimizer step of the offline loop (ours only), every rank
+        sys.path.insert(0, str(Path(__file__).parent))
+        from step_trace import record_step
+
+        trace_dir = Path(os.environ.get("TRACE_DIR") or os.environ.get("OUT", "."))
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        record_step(args.trace_step, lambda r: trace_dir / f"trace_{args.case}_{args.impl}_{world}gpu_r{r}.json.gz")
     profiler = contextlib.nullcontext()
     if args.profile:  # kernel time by name over the whole run (warmup included), to $OUT or the cwd
         from torch.profiler import ProfilerActivity, profile
@@ -506,6 +540,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--profile", action="store_true", help="torch.profiler kernel table per worker, to $OUT")
+    parser.add_argument("--trace-step", type=int, default=0, help="Chrome trace + summary of this step (step_trace.py)")
     parser.add_argument("--gpus", default="1", help="GPU counts to run each case on, e.g. 1,2,4 (torchrun, DDP)")
     parser.add_argument("--worker", nargs=2, metavar=("CASE", "IMPL"))
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)  # a worker's output_dir, shared by ranks
@@ -550,6 +585,7 @@ def main() -> None:
             "--lr",
             str(args.lr),
             *(["--profile"] if args.profile else []),
+            *(["--trace-step", str(args.trace_step)] if args.trace_step else []),
         ]
         # exactly `gpus` GPUs visible: TRL's Trainer would otherwise spread one process over all (nn.DataParallel)
         env = {
@@ -568,6 +604,8 @@ def main() -> None:
             print(f"{case}/{impl}/{gpus} GPUs failed:\n" + "\n".join(errors), file=sys.stderr)
             print(proc.stderr[-3000:], file=sys.stderr)
             continue
+        for line in [ln for ln in proc.stdout.splitlines() if ln.startswith("TRACE ")]:
+            print(f"{case}/{impl}/{gpus} {line}", flush=True)
         for line in [ln for ln in proc.stderr.splitlines() if ln.startswith("MEM ")][-3:]:
             print(f"{case}/{impl} {line}", flush=True)
         rows.append(json.loads(lines[-1][7:]))
