@@ -46,6 +46,7 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader 2> /dev/nul
 # TRL's fastest switches found per case (docs/BENCHMARKS.md): packing wrapped + torch_compile for sft, Liger +
 # torch_compile for dpo
 trl_impl() {
+  [ -z "${TRL_IMPL:-}" ] || { echo "$TRL_IMPL"; return; }  # e.g. TRL_IMPL=trl_compile where the fastest fails
   case $1 in
     sft_*) echo trl_wrapped_compile ;;
     dpo_*) echo trl_liger_compile ;;

@@ -16,7 +16,9 @@ a 1.25 GB logits budget), ``-autotune`` / ``-cudagraphs`` (the per-layer compile
 max-autotune-no-cudagraphs / reduce-overhead), ``-decoder`` (the whole decoder compiled as one graph),
 ``-mem`` (GPU memory after the forward, after the loss and at the backward's peak, per step), ``-ddpsplit``
 (dynamo's DDP graph split left on: each compiled layer cut at the gradient buckets, as before the change),
-``-static`` / ``-bigbucket`` / ``-bucketview`` (DDP's static_graph, a 1 GB bucket, gradient_as_bucket_view),
+``-peftswitch`` (PEFT's own adapter switches, ``disable_adapter()`` and ``disable_input_dtype_casting``, which
+walk every module on each use, as before the fourteenth session), ``-static`` / ``-bigbucket`` / ``-bucketview``
+(DDP's static_graph, a 1 GB bucket, gradient_as_bucket_view),
 ``-masksel`` (dpo: response positions selected by a boolean mask on the GPU, a host wait per forward, instead of
 the collate's host-side row indices) and ``-indexadd`` (those rows taken with ``index_select``, whose backward
 adds with atomics), both as before the thirteenth session.
@@ -230,6 +232,8 @@ def run_ours(args, model, tokenizer, sequences, out: str) -> tuple[list[float], 
             parts.loss_fn = _memory_phases(model, parts.loss_fn)
         elif variant == "masksel":  # dpo/rm: response rows selected by a boolean mask on the GPU (before session 13)
             parts.collate = _without_host_rows(parts.collate)
+        elif variant == "peftswitch":  # PEFT's own adapter switches, which walk the model each time (before)
+            _peft_switches()
         elif variant in DDP_LEVERS:  # DDP's own switches, through Accelerate's kwargs handler
             _ddp_kwargs.update(DDP_LEVERS[variant])
         elif variant == "indexadd":  # the head's row selection with index_select's atomic-add backward (before)
@@ -285,6 +289,16 @@ def _with_ddp_kwargs(kwargs: dict) -> None:
             super().__init__(*a, kwargs_handlers=[DistributedDataParallelKwargs(**kwargs)], **k)
 
     accelerate.Accelerator = WithDDPKwargs
+
+
+def _peft_switches() -> None:
+    """The adapter switches as before the fourteenth session: PEFT's context managers, not ``model.adapters``."""
+    import peft.helpers
+
+    from rlfactory.model import adapters, reference
+
+    reference.adapters_off = lambda model: model.disable_adapter()
+    adapters.input_casting_off = peft.helpers.disable_input_dtype_casting  # imported by the engine at each use
 
 
 def _without_host_rows(collate):

@@ -97,3 +97,49 @@ def test_train_bench_runs_our_cases_and_trls_on_the_tiny_shape_with_the_same_los
     assert ours["tokens_per_s"] > 0 and theirs["tokens_per_s"] > 0 and len(ours["losses"]) == 3
     assert ours["losses"] == pytest.approx(theirs["losses"], abs=2e-5)
     assert len(set(ours["losses"])) > 1  # the steps trained: not the same number three times
+
+
+def test_step_trace_summary_finds_the_idle_gpu_and_what_launched_after_it(tmp_path):
+    """``bench/step_trace.py`` read the fourteenth session's traces: the GPU's busy share, its waits on the host and,
+    for the longest idle stretch, the host operation that launched the next kernel (there: PEFT's adapter switch)."""
+    import gzip
+    import json
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import step_trace
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+    def kernel(name, ts, dur, corr):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    def launch(ts, corr):
+        return {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "name": "cudaLaunchKernel",
+            "ts": ts,
+            "dur": 5,
+            "tid": 1,
+            "args": {"correlation": corr},
+        }
+
+    events = [
+        kernel("gemm", 0, 400, 1),
+        launch(0, 1),
+        kernel("ncclDevKernel_AllReduce", 400, 100, 2),
+        launch(10, 2),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::zeros_like", "ts": 1990, "dur": 20, "tid": 1},
+        kernel("fill", 2000, 500, 3),
+        launch(2000, 3),  # 1.5 ms idle before it
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 2100, "dur": 400, "tid": 1},
+    ]
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    lines = step_trace.summarize(path).splitlines()
+    assert lines[0] == "wall 2.5 ms, GPU busy 1.0 ms (40%), 3 kernels, collectives 0.1 ms in 1 kernels"
+    assert lines[1].startswith("host waits for the GPU: 0.4 ms in 1 calls")
+    assert lines[2] == "GPU idle stretches > 0.1 ms: 1, 1.5 ms in all"
+    assert "1.50 ms at +0.5 ms, before fill (launched in: aten::zeros_like)" in lines[3]

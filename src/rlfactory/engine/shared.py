@@ -295,9 +295,9 @@ def autocast_forward(accelerator: Accelerator, model: Any) -> contextlib.ExitSta
 
 def _adapter_input_casting_off(accelerator: Accelerator, model: Any) -> contextlib.AbstractContextManager:
     if accelerator.mixed_precision in ("bf16", "fp16") and hasattr(accelerator.unwrap_model(model), "peft_config"):
-        from peft.helpers import disable_input_dtype_casting
+        from rlfactory.model.adapters import input_casting_off  # PEFT's helper walks every module, each time
 
-        return disable_input_dtype_casting(model)
+        return input_casting_off(model)
     return contextlib.nullcontext()
 
 

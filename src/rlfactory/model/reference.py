@@ -1,7 +1,8 @@
 """The reference policy, one implementation for dpo/kto and the RL stages (ppo, grpo).
 
 Which weights (DESIGN principle 5, LoRA first):
-- LoRA: the policy itself with its adapter disabled (``disable_adapter()`` on the unwrapped PEFT model):
+- LoRA: the policy itself with its adapter disabled (``model.adapters.adapters_off``, PEFT's
+  ``disable_adapter()`` without its walk over every module, on the unwrapped PEFT model):
   no second copy in memory. Adapters from ``model.adapter_paths`` are merged into the base, so they are
   part of the reference.
 - full / freeze fine-tuning, another model named (``dpo.ref_model``), or LoRA initialised with pissa / olora
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from rlfactory.config.schema import RunConfig
+from rlfactory.model.adapters import adapters_off
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +63,8 @@ class ReferencePolicy:
         if device is not None and next(model.parameters()).device != torch.device(device):
             model.to(device)
         with torch.no_grad(), contextlib.ExitStack() as stack:
-            if self.copy is None:
-                stack.enter_context(model.disable_adapter())
+            if self.copy is None:  # PEFT's disable_adapter() without its walk over every module (model.adapters)
+                stack.enter_context(adapters_off(model))
             yield model
 
 
