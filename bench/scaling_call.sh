@@ -8,15 +8,17 @@
 #   SHAPE=tiny BATCH=2 SEQ=64 STEPS=2 WARMUP=1 bash bench/scaling_call.sh sft_lora   # CPU smoke (gloo)
 #   LEVERS=ours_compile-masksel bash bench/scaling_call.sh dpo_lora           # also the code before a change
 #
-# Per case, the 1- and 2-GPU runs go side by side on disjoint GPUs (ours on GPU 0, TRL on GPU 1, both on GPUs
-# 2,3 one after the other), then the 4-GPU runs alone; on a 2-GPU host (nvidia-h100-x2 / nvidia-h200-x2) the
-# 1-GPU runs side by side, then the 2-GPU runs. Every process gets the CPU threads a 4-process launch gives
-# it (cores / 4), so the lanes do not fight over cores and a 1-GPU run is not favoured by more threads.
+# Each run alone on the host, one after the other (1, 2, then 4 GPUs; ours, TRL, then the levers): a step that
+# waits on its host also waits on a neighbour's use of it, and side-by-side runs gave a dpo LoRA step 13% more
+# time on 2 GPUs (docs/BENCHMARKS.md, fourteenth session). LANES=1 keeps the faster layout of earlier sessions
+# for a smoke run: on a 4-GPU host the 1- and 2-GPU runs side by side on disjoint GPUs (ours on GPU 0, TRL on
+# GPU 1, both on GPUs 2,3), then the 4-GPU runs. Every process gets the CPU threads a 4-process launch gives
+# it (cores / 4), so a 1-GPU run is not favoured by more threads.
 # Needs in the checkout: .gpu/whl (setup.sh or *.whl: trl, datasets, multiprocess, liger-kernel) and, for grpo,
 # .gpu/vllm/setup.sh (a vLLM build for the device's torch). Writes $OUT/scaling_<case>.jsonl and one log per lane.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { sed -n 2,15p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,17p "$0"; exit 2; }
 OUT=${OUT:-/tmp/scaling}
 SHAPE=${SHAPE:-qwen2.5-0.5b}
 BATCH=${BATCH:-8}
@@ -56,7 +58,7 @@ trl_impl() {
 
 offline() {  # offline <case> <impl> <gpus> <visible GPUs>
   CUDA_VISIBLE_DEVICES=$4 python3 bench/train_bench.py --cases "$1" --impls "$2" --gpus "$3" --shape "$SHAPE" \
-    --batch "$BATCH" --seq "$SEQ" --accum 4 --steps "$STEPS" --warmup "$WARMUP" 2>> "$OUT/$1_$2_$3gpu.err" \
+    --batch "$BATCH" --seq "$SEQ" --accum 4 --steps "$STEPS" --warmup "$WARMUP" 2>> "$OUT/$1_$2_${3//,/-}gpu.err" \
     | grep '^{' >> "$OUT/scaling_$1.jsonl"
 }
 
@@ -66,19 +68,20 @@ grpo() {  # grpo <gpus> <visible GPUs>
     --out "$OUT/scaling_grpo.jsonl" --log "$OUT/grpo_$1gpu.log" > /dev/null 2>&1)
 }
 
-# the host's GPU count (4 on a CPU smoke run): 4 -> lanes 0 | 1 | 2,3 then 0-3; 2 -> lanes 0 | 1 then 0,1
+# the host's GPU count (4 on a CPU smoke run) and the counts each case runs on: 1, 2, 4 up to it
 NGPU=${NGPU:-$(nvidia-smi -L 2> /dev/null | grep -c '^GPU' || true)}
 [ "${NGPU:-0}" -gt 0 ] || NGPU=4
 ALL=$(seq -s, 0 $((NGPU - 1)))
+COUNTS=$(for n in 1 2 4 8; do [ "$n" -gt "$NGPU" ] || printf '%s,' "$n"; done)
+COUNTS=${COUNTS%,}
 for case in "$@"; do
   start=$(date +%s)
-  if [ "$case" = grpo ] && [ "$NGPU" -ge 4 ]; then
+  if [ "$case" = grpo ] && [ "${LANES:-0}" = 1 ] && [ "$NGPU" -ge 4 ]; then
     grpo 1 0 & grpo 2 2,3 & wait
     grpo 4 "$ALL"
   elif [ "$case" = grpo ]; then
-    grpo 1 0
-    grpo "$NGPU" "$ALL"
-  else
+    for n in ${COUNTS//,/ }; do grpo "$n" "$(seq -s, 0 $((n - 1)))"; done
+  elif [ "${LANES:-0}" = 1 ]; then
     trl=$(trl_impl "$case")
     (offline "$case" ours_compile 1 0; [ "$NGPU" -ge 4 ] || for lever in $LEVERS; do offline "$case" "$lever" 1 0; done) &
     (offline "$case" "$trl" 1 1; [ "$NGPU" -lt 4 ] || for lever in $LEVERS; do offline "$case" "$lever" 1 1; done) &
@@ -87,6 +90,8 @@ for case in "$@"; do
     offline "$case" ours_compile "$NGPU" "$ALL"
     offline "$case" "$trl" "$NGPU" "$ALL"
     for lever in $LEVERS; do offline "$case" "$lever" "$NGPU" "$ALL"; done
+  else  # each run alone: train_bench runs the counts in turn on the first n GPUs
+    for impl in ours_compile "$(trl_impl "$case")" $LEVERS; do offline "$case" "$impl" "$COUNTS" "$ALL"; done
   fi
   echo "$case: $(($(date +%s) - start)) s"
   cat "$OUT/scaling_$case.jsonl" 2>/dev/null
