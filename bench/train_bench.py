@@ -7,8 +7,8 @@
 Cases: sft_full, sft_lora (LoRA r=16 all-linear), dpo_lora (sigmoid DPO, beta 0.1, reference = adapter
 disabled, no precomputed reference), rm_full / rm_lora (Bradley-Terry reward model, 1-output score head).
 Impls: ``ours`` (the stage's own loss path through the shared engine), ``ours_compile``
-(``train.torch_compile``, which leaves Liger's layer kernels out), ``ours_torchlp`` (the torch loop
-instead of Liger's kernel for the chunked LM-head log-probs), and TRL:
+(``train.torch_compile``, which leaves Liger's layer kernels out), ``ours_torchlp`` / ``ours_compile-torchlp``
+(the torch loop instead of Liger's kernel for the chunked LM-head log-probs), and TRL:
 ``trl_wrapped`` / ``trl_bfd`` / ``trl_padded`` / ``trl_wrapped_liger`` (SFT packing variants) or ``trl``
 (DPOTrainer / RewardTrainer; any ``trl*`` name selects them for the dpo and rm cases).
 Levers under test append to an ``ours*`` name: ``-c8192`` (LM-head rows per chunk in sft's loss; default:
@@ -142,7 +142,7 @@ def _ours_kernels(args):
 
     compiled = args.impl.startswith("ours_compile")
     kernels = head_kernels(ModelConfig(name_or_path="bench"), TrainConfig(torch_compile=compiled))
-    if args.impl == "ours_torchlp":
+    if args.impl == "ours_torchlp" or "torchlp" in args.impl.split("-")[1:]:  # also ours_compile-torchlp
         kernels = dataclasses.replace(kernels, logprobs="torch")
     for variant in args.impl.split("-")[1:]:  # levers under test: ours_compile-c8192-cudagraphs
         if variant.startswith("c") and variant[1:].isdigit():
@@ -240,6 +240,8 @@ def run_ours(args, model, tokenizer, sequences, out: str) -> tuple[list[float], 
             from rlfactory.model import lm_head
 
             lm_head.select_rows = lambda source, rows: source.index_select(0, rows)
+        elif variant != "torchlp" and not (variant.startswith("c") and variant[1:].isdigit()):  # _ours_kernels' own
+            raise SystemExit(f"unknown lever -{variant} in {args.impl} (a typo would time the code without it)")
     if _ddp_kwargs:
         _with_ddp_kwargs(_ddp_kwargs)
     stage = args.case.split("_")[0]
