@@ -99,3 +99,49 @@ def test_the_layers_are_found_once_per_model(monkeypatch):
     with adapters_off(policy), input_casting_off(policy):
         pass
     assert adapter_layers(policy) is found
+
+
+def test_a_warm_micro_batch_walks_no_module_tree(monkeypatch):
+    """A dpo LoRA micro-batch as the engine runs it under bf16 autocast -- the reference's forward in
+    ``ReferencePolicy.weights``, the policy's forward in ``autocast_forward``, its backward through
+    ``engine.shared.backward`` -- walks none of the model's module trees once warm. Each walk was host time in which
+    the GPU waited: PEFT's switches walked on every entry and exit, Accelerate's ``unwrap_model`` once per use."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from rlfactory.engine.shared import autocast_forward, backward
+    from rlfactory.model.reference import ReferencePolicy
+
+    policy = _policy().float()
+    reference = ReferencePolicy(policy)
+    size = len(list(policy.modules()))
+    walks: list[str] = []
+    named_modules = torch.nn.Module.named_modules
+
+    def counted(self, *args, **kwargs):
+        yielded = 0
+        try:
+            for item in named_modules(self, *args, **kwargs):
+                yielded += 1
+                yield item
+        finally:
+            if yielded > size // 2:  # a whole tree (a lazy next(model.parameters()) takes one module)
+                walks.append(type(self).__name__)
+
+    def micro_batch() -> None:
+        with reference.weights("cpu") as model:
+            model(input_ids=IDS)
+        with autocast_forward(accelerator, policy):
+            loss = policy(input_ids=IDS).logits.float().sum()
+        backward(accelerator, policy, loss)
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # a process-wide singleton: bf16 only for this test
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    try:
+        micro_batch()  # warm: the adapter layers are found here
+        monkeypatch.setattr(torch.nn.Module, "named_modules", counted)
+        micro_batch()
+        micro_batch()
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert walks == []

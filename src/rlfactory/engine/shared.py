@@ -294,8 +294,11 @@ def autocast_forward(accelerator: Accelerator, model: Any) -> contextlib.ExitSta
 
 
 def _adapter_input_casting_off(accelerator: Accelerator, model: Any) -> contextlib.AbstractContextManager:
-    if accelerator.mixed_precision in ("bf16", "fp16") and hasattr(accelerator.unwrap_model(model), "peft_config"):
-        from rlfactory.model.adapters import input_casting_off  # PEFT's helper walks every module, each time
+    # entered up to twice per micro-batch: no walk over the model's modules here (PEFT's helper walks them all on
+    # entry and exit, Accelerate's unwrap_model once, looking for compiled regions); the adapter layers are found
+    # once per model, none for a model without adapters
+    if accelerator.mixed_precision in ("bf16", "fp16"):
+        from rlfactory.model.adapters import input_casting_off
 
         return input_casting_off(model)
     return contextlib.nullcontext()
