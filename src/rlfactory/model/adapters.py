@@ -5,7 +5,8 @@ all of a model's modules on entry and on exit -- about 8,000 for a 0.5B model wi
 and ``disable_adapter`` also builds a status report of every layer and flips ``requires_grad`` on every adapter
 weight. The training loops enter such a switch up to three times per micro-batch (the reference's forward, the
 policy's forward and its backward). In a traced dpo LoRA step (0.5B shape, 4 micro-batches, one H200) the GPU
-waited 42 ms per micro-batch while the host walked the model, a sixth of the step. Here the adapter layers are
+waited about 60 ms per micro-batch while the host walked the model (42 ms of it the reference's switch), about a
+fifth of the step. Here the adapter layers are
 found once per model and the switches set only their flags; what a layer does with a flag stays PEFT's code.
 """
 
