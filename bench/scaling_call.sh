@@ -28,6 +28,8 @@ WARMUP=${WARMUP:-2}
 GRPO_CASES=${GRPO_CASES:-grpo,trl}  # grpo: ours and TRL's GRPOTrainer, one after the other in each lane
 CASE_TIMEOUT=${CASE_TIMEOUT:-260}   # grpo: seconds per case (vLLM's start-up included), and per lane below
 LANE_TIMEOUT=${LANE_TIMEOUT:-560}
+GRPO_RUNS=${GRPO_RUNS:-adapter:64:compile}  # grpo: lora_sync:micro-batch[:compile] (adapter:8:compile for the 7B)
+IMPLS=${IMPLS:-}    # offline cases: the impls to run (default ours_compile and TRL's fastest); e.g. IMPLS=ours_compile
 LEVERS=${LEVERS:-}  # offline cases: more impls of ours (e.g. ours_compile-masksel) on 1 GPU (beside TRL's lane) and 4
 mkdir -p "$OUT" /tmp/site
 if [ -f .gpu/vllm/setup.sh ]; then
@@ -64,7 +66,7 @@ offline() {  # offline <case> <impl> <gpus> <visible GPUs>
 
 grpo() {  # grpo <gpus> <visible GPUs>
   (cd bench && CUDA_VISIBLE_DEVICES=$2 timeout "$LANE_TIMEOUT" python3 rollout_bench.py --cases "$GRPO_CASES" --gpus "$1" \
-    --shape "$SHAPE" --steps "${GRPO_STEPS:-6}" --warmup 2 --grpo-runs adapter:64:compile --case-timeout "$CASE_TIMEOUT" \
+    --shape "$SHAPE" --steps "${GRPO_STEPS:-6}" --warmup 2 --grpo-runs "$GRPO_RUNS" --case-timeout "$CASE_TIMEOUT" \
     --out "$OUT/scaling_grpo.jsonl" --log "$OUT/grpo_$1gpu.log" > /dev/null 2>&1)
 }
 
@@ -72,8 +74,10 @@ grpo() {  # grpo <gpus> <visible GPUs>
 NGPU=${NGPU:-$(nvidia-smi -L 2> /dev/null | grep -c '^GPU' || true)}
 [ "${NGPU:-0}" -gt 0 ] || NGPU=4
 ALL=$(seq -s, 0 $((NGPU - 1)))
-COUNTS=$(for n in 1 2 4 8; do [ "$n" -gt "$NGPU" ] || printf '%s,' "$n"; done)
-COUNTS=${COUNTS%,}
+if [ -z "${COUNTS:-}" ]; then  # COUNTS=4: only the 4-GPU runs (each-alone layout)
+  COUNTS=$(for n in 1 2 4 8; do [ "$n" -gt "$NGPU" ] || printf '%s,' "$n"; done)
+  COUNTS=${COUNTS%,}
+fi
 for case in "$@"; do
   start=$(date +%s)
   if [ "$case" = grpo ] && [ "${LANES:-0}" = 1 ] && [ "$NGPU" -ge 4 ]; then
@@ -84,14 +88,15 @@ for case in "$@"; do
   elif [ "${LANES:-0}" = 1 ]; then
     trl=$(trl_impl "$case")
     (offline "$case" ours_compile 1 0; [ "$NGPU" -ge 4 ] || for lever in $LEVERS; do offline "$case" "$lever" 1 0; done) &
-    (offline "$case" "$trl" 1 1; [ "$NGPU" -lt 4 ] || for lever in $LEVERS; do offline "$case" "$lever" 1 1; done) &
-    [ "$NGPU" -lt 4 ] || (offline "$case" ours_compile 2 2,3; offline "$case" "$trl" 2 2,3) &
+    [ "$IMPLS" = ours_compile ] ||
+      (offline "$case" "$trl" 1 1; [ "$NGPU" -lt 4 ] || for lever in $LEVERS; do offline "$case" "$lever" 1 1; done) &
+    [ "$NGPU" -lt 4 ] || (offline "$case" ours_compile 2 2,3; [ "$IMPLS" = ours_compile ] || offline "$case" "$trl" 2 2,3) &
     wait
     offline "$case" ours_compile "$NGPU" "$ALL"
-    offline "$case" "$trl" "$NGPU" "$ALL"
+    [ "$IMPLS" = ours_compile ] || offline "$case" "$trl" "$NGPU" "$ALL"
     for lever in $LEVERS; do offline "$case" "$lever" "$NGPU" "$ALL"; done
   else  # each run alone: train_bench runs the counts in turn on the first n GPUs
-    for impl in ours_compile "$(trl_impl "$case")" $LEVERS; do offline "$case" "$impl" "$COUNTS" "$ALL"; done
+    for impl in ${IMPLS:-ours_compile $(trl_impl "$case")} $LEVERS; do offline "$case" "$impl" "$COUNTS" "$ALL"; done
   fi
   echo "$case: $(($(date +%s) - start)) s"
   cat "$OUT/scaling_$case.jsonl" 2>/dev/null
