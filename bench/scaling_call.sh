@@ -58,16 +58,22 @@ trl_impl() {
   esac
 }
 
+stamp() { echo "$(date +%T) $*" >> "$OUT/timing.log"; }  # when each run starts and ends (start-up is most of a run)
+
 offline() {  # offline <case> <impl> <gpus> <visible GPUs>
+  stamp "start $1 $2 ${3//,/-}gpu"
   CUDA_VISIBLE_DEVICES=$4 python3 bench/train_bench.py --cases "$1" --impls "$2" --gpus "$3" --shape "$SHAPE" \
     --batch "$BATCH" --seq "$SEQ" --accum 4 --steps "$STEPS" --warmup "$WARMUP" 2>> "$OUT/$1_$2_${3//,/-}gpu.err" \
     | grep '^{' >> "$OUT/scaling_$1.jsonl"
+  stamp "end $1 $2 ${3//,/-}gpu"
 }
 
 grpo() {  # grpo <gpus> <visible GPUs>
+  stamp "start grpo ${1}gpu"
   (cd bench && CUDA_VISIBLE_DEVICES=$2 timeout "$LANE_TIMEOUT" python3 rollout_bench.py --cases "$GRPO_CASES" --gpus "$1" \
     --shape "$SHAPE" --steps "${GRPO_STEPS:-6}" --warmup 2 --grpo-runs "$GRPO_RUNS" --case-timeout "$CASE_TIMEOUT" \
     --out "$OUT/scaling_grpo.jsonl" --log "$OUT/grpo_$1gpu.log" > /dev/null 2>&1)
+  stamp "end grpo ${1}gpu"
 }
 
 # the host's GPU count (4 on a CPU smoke run) and the counts each case runs on: 1, 2, 4 up to it

@@ -219,3 +219,31 @@ def test_min_p_from_the_rollout_config_reaches_the_hf_sampler(tiny):
     print(f"p / top p below {MIN_P}: {int((ratios[0.0] < MIN_P).sum())} of {len(ratios[0.0])} tokens at min_p 0")
     assert len(ratios[MIN_P]) > 100 and ratios[MIN_P].min() >= MIN_P * 0.99  # 1%: padded vs unpadded forwards
     assert (ratios[0.0] < MIN_P * 0.99).sum() >= 10  # measured: 43 of 192
+
+
+def test_generation_on_a_compiled_policy_runs_eager_and_leaves_the_training_graph_to_compile():
+    """train.torch_compile with rollout.backend hf: generation would compile the policy's layers again for every
+    cache state and length (prefill, then each decode length) until dynamo's recompile limit, after which the
+    training forward of the same layers silently ran eager too. Generation now runs eager: it captures no frame,
+    generates what the uncompiled model does, and the next training forward still compiles."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlfactory.engine.shared import compile_layers
+    from rlfactory.rollout.hf import HFBackend
+
+    counters = torch._dynamo.utils.counters
+    torch._dynamo.reset()
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL)
+    prompts = _prompts(tokenizer, 3)
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+    expected = [c.token_ids for c in HFBackend(model, tokenizer, batch_size=3).generate(prompts, greedy)]
+    assert compile_layers(model) > 1
+    before = counters["frames"]["total"]
+    out = HFBackend(model, tokenizer, batch_size=3).generate(prompts, greedy)
+    assert [c.token_ids for c in out] == expected
+    assert counters["frames"]["total"] == before, "generation ran through the compiled layers"
+    ids = torch.tensor([prompts[0]])
+    model(input_ids=ids).logits.sum().backward()  # a training forward after generation: compiled, not eager
+    assert counters["frames"]["total"] > before
+    torch._dynamo.reset()

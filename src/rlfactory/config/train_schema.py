@@ -86,8 +86,8 @@ class TrainConfig(Section):
         False,
         description="torch.compile each decoder layer, in every stage (the policy and critic of ppo/grpo too) and "
         "sft's LM-head chunks on CUDA. Measured 1.5-2.1x faster on an H200 (docs/BENCHMARKS.md); the first steps pay "
-        "the compile time and a new sequence length can recompile once. With rollout.backend hf, generation runs "
-        "through the compiled layers as well.",
+        "the compile time and a new sequence length can recompile once. Generation by transformers (rollout.backend "
+        "hf, evaluation, chat) runs the layers eager: compiling each cache state and length would fill dynamo's cache.",
     )
     eval_steps: int | None = Field(None, ge=1, description="Evaluate every N steps (and always at the end).")
     save_steps: int | None = Field(None, ge=1, description="Save a resumable checkpoint every N steps.")

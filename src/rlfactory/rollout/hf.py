@@ -8,6 +8,7 @@ the policy gradient assumes samples from the plain softmax at the configured tem
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import replace
 from typing import Any
@@ -52,6 +53,12 @@ class HFBackend:
     """Batched ``model.generate`` on the policy itself (so ``sync_weights`` has nothing to do)."""
 
     syncs_weights = False
+    # Layers compiled in place (train.torch_compile) would compile again for every cache state and length that
+    # generation passes them (prefill, each decode length) until dynamo's recompile limit (8 per code object), and
+    # from then on the training forward of the same layers runs eager too. Generation on the policy itself
+    # therefore runs eager (``torch.compiler.set_stance``: process-wide, so not for a copy that generates in a
+    # second thread while the policy trains -- CopyBackend's copy has no compiled layers anyway).
+    eager_generation = True
 
     def __init__(self, model: Any, tokenizer: Any, batch_size: int = 64, generate_kwargs: dict | None = None):
         """``generate_kwargs`` go to every ``model.generate`` call as they are (``rlfactory chat``: a streamer and a
@@ -76,8 +83,10 @@ class HFBackend:
         was_training = self.model.training
         self.model.eval()
         completions: list[Completion] = []
-        for start in range(0, len(prompts), self.batch_size):
-            completions += self._generate_batch(prompts[start : start + self.batch_size], params)
+        stance = torch.compiler.set_stance("force_eager") if self.eager_generation else contextlib.nullcontext()
+        with stance:
+            for start in range(0, len(prompts), self.batch_size):
+                completions += self._generate_batch(prompts[start : start + self.batch_size], params)
         self.model.train(was_training)
         return completions
 
@@ -194,6 +203,7 @@ class CopyBackend(HFBackend):
     mismatch metrics compare with the trainer's."""
 
     syncs_weights = True
+    eager_generation = False  # the copy has no compiled layers, and the policy may be training in the other thread
 
     def __init__(self, model: Any, tokenizer: Any, batch_size: int = 64, seed: int = 0):
         super().__init__(copy_for_sampling(model), tokenizer, batch_size)
