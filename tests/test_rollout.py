@@ -247,3 +247,23 @@ def test_generation_on_a_compiled_policy_runs_eager_and_leaves_the_training_grap
     model(input_ids=ids).logits.sum().backward()  # a training forward after generation: compiled, not eager
     assert counters["frames"]["total"] > before
     torch._dynamo.reset()
+
+
+def test_update_micro_batches_are_cut_to_aligned_widths_within_the_batch():
+    """The update's padded micro-batches span a multiple of 8 columns (prompt + response) where the batch is that
+    wide, so sdpa's masked kernel sees one alignment on every step (a compiled layer would otherwise compile again
+    when a step's width fell the other way); never wider than the batch, and the extra columns are padding."""
+    from rlfactory.engine.online.update import ALIGN_COLUMNS, _trimmed
+
+    prompts = [[5] * 3, [6] * 7]
+    batch = pack_rollouts(prompts, [Completion([7] * 4, "stop"), Completion([8] * 9, "stop")], PAD)
+    width_p = batch.input_ids.shape[1] - batch.responses.shape[1]
+    assert (width_p, batch.responses.shape[1]) == (7, 9)
+    for rows, longest in ((torch.tensor([0]), 4), (torch.tensor([0, 1]), 9), (torch.tensor([1]), 9)):
+        inputs, width_r = _trimmed(batch, rows, longest)
+        columns = inputs["input_ids"].shape[1]
+        assert columns == width_p + width_r and width_r >= longest
+        assert columns % ALIGN_COLUMNS == 0 or width_r == batch.responses.shape[1]
+        assert (inputs["attention_mask"][:, width_p + longest :] == 0).all()  # the extra columns are padding
+    assert _trimmed(batch, torch.tensor([0]), 4)[1] == 9  # 7 + 4 = 11 -> 16 columns, capped at the batch's 7 + 9
+    assert _trimmed(batch, torch.tensor([0]), 1)[1] == 1  # 7 + 1 = 8 already
