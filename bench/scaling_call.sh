@@ -30,6 +30,7 @@ CASE_TIMEOUT=${CASE_TIMEOUT:-260}   # grpo: seconds per case (vLLM's start-up in
 LANE_TIMEOUT=${LANE_TIMEOUT:-560}
 GRPO_RUNS=${GRPO_RUNS:-adapter:64:compile}  # grpo: lora_sync:micro-batch[:compile] (adapter:8:compile for the 7B)
 IMPLS=${IMPLS:-}    # offline cases: the impls to run (default ours_compile and TRL's fastest); e.g. IMPLS=ours_compile
+RUN_TIMEOUT=${RUN_TIMEOUT:-0}  # offline cases: seconds per run before it is stopped (0: none), e.g. 300 for TRL on 4 GPUs
 LEVERS=${LEVERS:-}  # offline cases: more impls of ours (e.g. ours_compile-masksel) on 1 GPU (beside TRL's lane) and 4
 mkdir -p "$OUT" /tmp/site
 if [ -f .gpu/vllm/setup.sh ]; then
@@ -63,7 +64,7 @@ stamp() { echo "$(date +%T) $*" >> "$OUT/timing.log"; }  # when each run starts 
 offline() {  # offline <case> <impl> <gpus> <visible GPUs>
   stamp "start $1 $2 ${3//,/-}gpu"
   CUDA_VISIBLE_DEVICES=$4 python3 bench/train_bench.py --cases "$1" --impls "$2" --gpus "$3" --shape "$SHAPE" \
-    --batch "$BATCH" --seq "$SEQ" --accum 4 --steps "$STEPS" --warmup "$WARMUP" 2>> "$OUT/$1_$2_${3//,/-}gpu.err" \
+    --batch "$BATCH" --seq "$SEQ" --accum 4 --steps "$STEPS" --warmup "$WARMUP" --run-timeout "$RUN_TIMEOUT" 2>> "$OUT/$1_$2_${3//,/-}gpu.err" \
     | grep '^{' >> "$OUT/scaling_$1.jsonl"
   stamp "end $1 $2 ${3//,/-}gpu"
 }

@@ -384,6 +384,7 @@ def run_trl(args, model, tokenizer, sequences, out: str) -> tuple[list[float], l
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             marks.append(time.perf_counter())
+            progress(f"TRL step {len(marks)}")
 
         def on_log(self, _args, _state, _control, logs=None, **__):
             if logs and "loss" in logs:
@@ -478,6 +479,7 @@ def worker(args) -> None:
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     model = build_model(args.shape, args.device, args.case)
+    progress("model built")
     n_params = sum(p.numel() for p in model.parameters())
     tokenizer = build_tokenizer(SHAPES[args.shape]["vocab_size"])
     rows = args.batch * args.accum * (1 if args.case.startswith("sft") else 2)  # a pair is two sequences
@@ -486,6 +488,7 @@ def worker(args) -> None:
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     runner = run_ours if args.impl.startswith("ours") else run_trl
+    progress("data ready")
     if args.trace_step:  # one optimizer step of the offline loop (ours only), every rank
         sys.path.insert(0, str(Path(__file__).parent))
         from step_trace import record_step
@@ -535,6 +538,32 @@ def worker(args) -> None:
     )
 
 
+def _run_with_limit(cmd: list[str], env: dict, limit: int) -> subprocess.CompletedProcess:
+    """``cmd``'s output; at ``limit`` seconds (0: none) its whole process group is killed -- torchrun's and
+    accelerate's workers too, which would otherwise keep their GPUs -- and returncode is None."""
+    import signal
+
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=limit or None)
+        return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        return subprocess.CompletedProcess(cmd, None, stdout, stderr)
+
+
+def progress(label: str) -> None:
+    """A ``PROGRESS`` line on rank 0's stderr: what --run-timeout prints of a run it stopped."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"PROGRESS {label} at {time.perf_counter() - STARTED:.1f} s", file=sys.stderr, flush=True)
+
+
+STARTED = time.perf_counter()
+
+
 def free_port() -> int:
     """A TCP port nobody listens on now (accelerate's default, 29500, would clash between runs side by side)."""
     import socket
@@ -558,6 +587,13 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="torch.profiler kernel table per worker, to $OUT")
     parser.add_argument("--trace-step", type=int, default=0, help="Chrome trace + summary of this step (step_trace.py)")
     parser.add_argument("--gpus", default="1", help="GPU counts to run each case on, e.g. 1,2,4 (torchrun, DDP)")
+    parser.add_argument(
+        "--run-timeout",
+        type=int,
+        default=0,
+        help="seconds before a (case, impl, GPUs) run is stopped, all its processes, and how far it got is "
+        "printed (its PROGRESS lines: model built, each TRL step); 0: no limit",
+    )
     parser.add_argument("--worker", nargs=2, metavar=("CASE", "IMPL"))
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)  # a worker's output_dir, shared by ranks
     args = parser.parse_args()
@@ -611,8 +647,14 @@ def main() -> None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(env["CUDA_VISIBLE_DEVICES"].split(",")[:gpus])
         # as `rlfactory train distributed.num_processes=N` starts its processes (torchrun alone would set 1 thread)
         env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // gpus)))
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        proc = _run_with_limit(cmd, env, args.run_timeout)
         shutil.rmtree(out, ignore_errors=True)
+        if proc.returncode is None:  # stopped at --run-timeout: say how far it got (start-up or steps)
+            progress = [ln for ln in proc.stderr.splitlines() if ln.startswith("PROGRESS ")]
+            print(f"{case}/{impl}/{gpus} GPUs stopped after {args.run_timeout} s; got to:", file=sys.stderr)
+            print("\n".join(progress[-6:]) or "(no PROGRESS line)", file=sys.stderr)
+            print(proc.stderr[-1500:], file=sys.stderr)
+            continue
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if not lines:
             # a rank's own error comes first; torchrun's summary of the stopped ranks fills the tail
