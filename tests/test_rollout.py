@@ -251,19 +251,52 @@ def test_generation_on_a_compiled_policy_runs_eager_and_leaves_the_training_grap
 
 def test_update_micro_batches_are_cut_to_aligned_widths_within_the_batch():
     """The update's padded micro-batches span a multiple of 8 columns (prompt + response) where the batch is that
-    wide, so sdpa's masked kernel sees one alignment on every step (a compiled layer would otherwise compile again
-    when a step's width fell the other way); never wider than the batch, and the extra columns are padding."""
-    from rlfactory.engine.online.update import ALIGN_COLUMNS, _trimmed
+    wide, and the online loop packs its batches that wide, so sdpa's masked kernel sees one alignment on every step
+    (a compiled layer would otherwise compile again when a step's width fell the other way); never wider than the
+    batch, and the extra columns are padding, out of every mask."""
+    from rlfactory.engine.online.update import _trimmed
+    from rlfactory.rollout.batch import ALIGN_COLUMNS
 
     prompts = [[5] * 3, [6] * 7]
-    batch = pack_rollouts(prompts, [Completion([7] * 4, "stop"), Completion([8] * 9, "stop")], PAD)
+    completions = [Completion([7] * 4, "stop"), Completion([8] * 10, "length")]
+    batch = pack_rollouts(prompts, completions, PAD)
     width_p = batch.input_ids.shape[1] - batch.responses.shape[1]
-    assert (width_p, batch.responses.shape[1]) == (7, 9)
-    for rows, longest in ((torch.tensor([0]), 4), (torch.tensor([0, 1]), 9), (torch.tensor([1]), 9)):
-        inputs, width_r = _trimmed(batch, rows, longest)
-        columns = inputs["input_ids"].shape[1]
-        assert columns == width_p + width_r and width_r >= longest
-        assert columns % ALIGN_COLUMNS == 0 or width_r == batch.responses.shape[1]
-        assert (inputs["attention_mask"][:, width_p + longest :] == 0).all()  # the extra columns are padding
-    assert _trimmed(batch, torch.tensor([0]), 4)[1] == 9  # 7 + 4 = 11 -> 16 columns, capped at the batch's 7 + 9
+    assert (width_p, batch.responses.shape[1]) == (7, 10)
+    assert _trimmed(batch, torch.tensor([0]), 4)[1] == 9  # 7 + 4 = 11 -> 16 columns
+    assert _trimmed(batch, torch.tensor([1]), 10)[1] == 10  # 17 -> 24 columns is wider than the batch: capped
     assert _trimmed(batch, torch.tensor([0]), 1)[1] == 1  # 7 + 1 = 8 already
+    aligned = pack_rollouts(prompts, completions, PAD, mask_truncated=True, align_columns=ALIGN_COLUMNS)
+    assert aligned.input_ids.shape[1] == 24 and aligned.responses.shape[1] == 17  # 7 + 10 -> 24 columns
+    for name in ("input_ids", "attention_mask", "position_ids"):  # the same batch, then padding
+        assert torch.equal(getattr(aligned, name)[:, :17], getattr(batch, name)), name
+    assert (aligned.attention_mask[:, 17:] == 0).all() and (aligned.input_ids[:, 17:] == PAD).all()
+    for name in ("response_mask", "loss_mask"):
+        assert (getattr(aligned, name)[:, 10:] == 0).all()
+    assert aligned.response_length.tolist() == [4, 10] and aligned.truncated.tolist() == [False, True]
+    for rows, longest in ((torch.tensor([0]), 4), (torch.tensor([0, 1]), 10), (torch.tensor([1]), 10)):
+        inputs, width_r = _trimmed(aligned, rows, longest)
+        assert inputs["input_ids"].shape[1] == width_p + width_r and width_r >= longest
+        assert (width_p + width_r) % ALIGN_COLUMNS == 0
+        assert (inputs["attention_mask"][:, width_p + longest :] == 0).all()
+
+
+def test_policy_logprobs_and_loss_of_an_aligned_batch_equal_the_unaligned_ones(tiny):
+    """Widening the batch to aligned columns changes no number: the update's log-probs (float64) are equal."""
+    from rlfactory.engine.online.update import policy_forward
+    from rlfactory.rollout.batch import ALIGN_COLUMNS
+
+    model, tokenizer = tiny
+    prompts = _prompts(tokenizer, 3)
+    completions = [Completion([11, 12, 13], "stop"), Completion([14] * 6, "length"), Completion([15], "stop")]
+    plain = pack_rollouts(prompts, completions, tokenizer.pad_token_id)
+    aligned = pack_rollouts(prompts, completions, tokenizer.pad_token_id, align_columns=ALIGN_COLUMNS)
+    assert aligned.input_ids.shape[1] % ALIGN_COLUMNS == 0 and aligned.responses.shape[1] > 6
+    model64 = model.to(torch.float64)
+    try:
+        with torch.no_grad():
+            for rows in (torch.arange(3), torch.tensor([0, 2])):
+                a, _ = policy_forward(model64, plain, rows)
+                b, _ = policy_forward(model64, aligned, rows)
+                assert torch.equal(b[:, : a.shape[1]], a) and (b[:, a.shape[1] :] == 0).all()
+    finally:
+        model.to(torch.float32)

@@ -53,8 +53,21 @@ class RolloutBatch:
         return self.input_ids.shape[0]
 
 
+# The training passes cut micro-batches of a batch to a multiple of this many columns (prompt + response), and
+# the online loop packs its batches that wide (``align_columns``), so every cut can be aligned. sdpa's masked CUDA
+# kernel needs the mask's rows at an aligned stride and pads them otherwise; under train.torch_compile, inductor
+# guards on which of the two the first compile saw (its sdpa lowering, pytorch/pytorch#163083), so a later step
+# whose width fell the other way compiled the layers once more (the likely cause of a 16 s update in the fifth
+# step of a 7B grpo run on 4 GPUs, docs/BENCHMARKS.md). Costs at most 7 padding columns.
+ALIGN_COLUMNS = 8
+
+
 def pack_rollouts(
-    prompts: list[list[int]], completions: list[Completion], pad_id: int, mask_truncated: bool = False
+    prompts: list[list[int]],
+    completions: list[Completion],
+    pad_id: int,
+    mask_truncated: bool = False,
+    align_columns: int = 1,
 ) -> RolloutBatch:
     """The batch of B samples: input_ids, attention_mask, position_ids (B, P+R); responses, response_mask,
     loss_mask (B, R); response_length, truncated (B,); and sampler_logprobs (B, R) when every completion came
@@ -63,12 +76,13 @@ def pack_rollouts(
     ``response_mask`` marks policy tokens (rewards and advantages are computed over it);
     ``loss_mask`` is the same, except that with ``mask_truncated`` samples that hit the length limit
     are all zeros (DAPO's overlong filtering): they still count in group statistics but add nothing
-    to the loss.
+    to the loss. ``align_columns``: R is widened (with padding, out of every mask) until P + R is a multiple of it.
     """
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
     width_p = max(len(p) for p in prompts)
     width_r = max(1, max(len(c.token_ids) for c in completions))
+    width_r += -(width_p + width_r) % align_columns
     batch = len(prompts)
     input_ids = torch.full((batch, width_p + width_r), pad_id, dtype=torch.long)
     attention = torch.zeros((batch, width_p + width_r), dtype=torch.long)

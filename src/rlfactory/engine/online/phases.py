@@ -49,7 +49,7 @@ from rlfactory.engine.shared import peak_memory_gb
 from rlfactory.rewards.stack import RewardStack, Sample, Scores, score_metrics
 from rlfactory.rollout.agent import Rollouts, episode_metrics, episode_trace_fields
 from rlfactory.rollout.base import SamplingParams
-from rlfactory.rollout.batch import RolloutBatch, pack_rollouts
+from rlfactory.rollout.batch import ALIGN_COLUMNS, RolloutBatch, pack_rollouts
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -273,6 +273,7 @@ def to_batch(run: Run, samples: list[Rollout]) -> RolloutBatch:
         [s.completion for s in samples],
         run.tokenizer.pad_token_id,
         run.cfg.rollout.mask_truncated,
+        align_columns=ALIGN_COLUMNS,
     )
     batch.scores = torch.tensor([s.score for s in samples], dtype=torch.float32)
     batch.group = torch.tensor([s.group for s in samples])

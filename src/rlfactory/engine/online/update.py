@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from rlfactory.algos.common import entropy_from_logits, masked_mean, masked_var, token_logprobs
 from rlfactory.config.schema import AlgorithmConfig
 from rlfactory.engine.shared import NonFiniteGuard, autocast_forward, backward, clip_grad_norm
-from rlfactory.rollout.batch import RolloutBatch, response_logits
+from rlfactory.rollout.batch import ALIGN_COLUMNS, RolloutBatch, response_logits
 
 if TYPE_CHECKING:
     from rlfactory.engine.online.ranks import Ranks
@@ -38,18 +38,11 @@ if TYPE_CHECKING:
 Batch = RolloutBatch
 
 
-# Padded micro-batches are cut to a multiple of this many columns where the batch has them. sdpa's masked CUDA
-# kernel needs the mask's rows at an aligned stride and pads them otherwise; under train.torch_compile, inductor
-# guards on which of the two the first compile saw (pytorch/pytorch#163083), so a later step whose width falls the
-# other way compiles the layers once more (the likely cause of a 16 s update in the fifth step of a 7B grpo run on
-# 4 GPUs, docs/BENCHMARKS.md). Costs at most 7 padding columns per micro-batch.
-ALIGN_COLUMNS = 8
-
-
 def _trimmed(batch: Batch, rows: torch.Tensor, width: int | None = None) -> tuple[dict[str, torch.Tensor], int]:
     """Model inputs for ``rows`` without the right padding no row of them needs; and their response width
     (the rows' longest response, rounded up so that prompt + response columns are a multiple of ALIGN_COLUMNS
-    where the batch is that wide: the extra columns are padding, out of every mask).
+    where the batch is that wide -- the online loop packs it so -- : the extra columns are padding, out of every
+    mask; rollout/batch.py says why).
 
     ``width``: the rows' longest response, when the caller knows it from host-side lengths. Reading it from
     the device here would be a GPU sync per micro-batch, which stops the CPU from queueing the next one.
