@@ -436,6 +436,8 @@ def test_monitor_shows_an_rl_run_readably(page, app_url):
     expect(charts.filter(has_text="KL to the reference")).to_be_visible()
     expect(charts.filter(has_text="phase timings").locator(".rf-legend-item")).to_have_count(len(timings))
     assert legend_labels(charts.filter(has_text="phase timings")) == (timings, [])
+    # Vega draws the lines after the legend (HTML) is in place: wait for them on a busy machine
+    expect(charts.filter(has_text="phase timings").locator("g.mark-line path")).to_have_count(len(timings))
     lines = charts.filter(has_text="phase timings").evaluate(
         "c => [...c.querySelectorAll('g.mark-line path')].map(p => p.getAttribute('stroke'))"
         ".concat([...c.querySelectorAll('.rf-legend-item i')].map(i => i.style.background))"
