@@ -153,10 +153,11 @@ def assert_clear_error(code: int, out: str, err: str, expect: list[str]) -> None
 def _logs_to_this_tests_stderr(capsys: pytest.CaptureFixture[str]) -> None:
     """A library's log handler keeps the stderr of the test that created it (transformers makes one at import);
     pointed at a closed capture, logging prints '--- Logging error --- Traceback'. A real process has one stderr:
-    point every handler at this test's."""
+    point every handler at this test's. Not one without a stream: torch's LazyTraceHandler opens its file on first
+    use, and given a stream it has not opened, it takes itself for a forked child and closes that stream's fd."""
     for handler in (ref() for ref in logging._handlerList):  # every handler alive, on a logger or not
         ours = type(handler).__module__ not in ("logging", "_pytest.logging") or type(handler) is logging.StreamHandler
-        if isinstance(handler, logging.StreamHandler) and ours:
+        if isinstance(handler, logging.StreamHandler) and ours and handler.stream is not None:
             handler.stream = sys.stderr  # not setStream: it flushes the old, closed stream
 
 
