@@ -7,6 +7,9 @@
 #   bash bench/scaling_call.sh grpo                                     # grpo LoRA, colocated vLLM, ours and TRL
 #   SHAPE=tiny BATCH=2 SEQ=64 STEPS=2 WARMUP=1 bash bench/scaling_call.sh sft_lora   # CPU smoke (gloo)
 #   LEVERS=ours_compile-masksel bash bench/scaling_call.sh dpo_lora           # also the code before a change
+#   STEPS=8 COUNTS=4 RUN_TIMEOUT=330 bash bench/scaling_call.sh sft_full       # ours and TRL on 4 GPUs only
+#   SHAPE=qwen2.5-7b COUNTS=2 GRPO_CASES=grpo GRPO_RUNS=adapter:8:compile CASE_TIMEOUT=400 LANE_TIMEOUT=420 \
+#     TORCH_LOGS=recompiles bash bench/scaling_call.sh grpo                   # 7B grpo, every recompile in the log
 #
 # Each run alone on the host, one after the other (1, 2, then 4 GPUs; ours, TRL, then the levers): a step that
 # waits on its host also waits on a neighbour's use of it, and side-by-side runs gave a dpo LoRA step 13% more
@@ -18,7 +21,7 @@
 # .gpu/vllm/setup.sh (a vLLM build for the device's torch). Writes $OUT/scaling_<case>.jsonl and one log per lane.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { sed -n 2,17p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,21p "$0"; exit 2; }
 OUT=${OUT:-/tmp/scaling}
 SHAPE=${SHAPE:-qwen2.5-0.5b}
 BATCH=${BATCH:-8}
