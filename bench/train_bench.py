@@ -553,6 +553,9 @@ def _run_with_limit(cmd: list[str], env: dict, limit: int) -> subprocess.Complet
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
         return subprocess.CompletedProcess(cmd, None, stdout, stderr)
+    except BaseException:  # Ctrl-C: the run's own session does not get the terminal's signal, so stop it here
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
 
 
 def progress(label: str) -> None:
