@@ -163,6 +163,20 @@ def test_batch_times_accumulation_invariance(sft_config: dict, tmp_path: Path):
     assert grads[0] == pytest.approx(grads[1], rel=1e-4)
 
 
+def test_a_run_resumed_with_no_save_left_still_keeps_save_total_limit(sft_config: dict, tmp_path: Path):
+    """A run killed after renaming its last checkpoint into place but before rotating the old ones leaves one
+    checkpoint too many; resumed from it with no save left to make, the run rotates when it ends."""
+    train = {**sft_config["train"], "max_steps": 4, "save_steps": 1, "save_total_limit": None}
+    path = write_yaml(tmp_path / "run.yaml", {**sft_config, "train": train})
+    assert run_cli("train", str(path)).returncode == 0
+    out = Path(sft_config["output_dir"])
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    resumed = run_cli("train", str(path), "resume_from_checkpoint=auto", "train.save_total_limit=2")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout and "checkpoint-3" in resumed.stdout
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+
+
 @pytest.mark.slow
 def test_killed_run_resumes_from_checkpoint(sft_config: dict, tmp_path: Path):
     cfg = {

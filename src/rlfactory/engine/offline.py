@@ -406,6 +406,9 @@ def _finish(
     # otherwise it is the unwrapped model's own state dict
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
+        # a run killed after renaming a checkpoint into place but before rotating, then resumed from it with no save
+        # left to make, would otherwise end with one checkpoint more than save_total_limit
+        run_dir.rotate_checkpoints(out, cfg.train.save_total_limit)
         save_model(unwrapped, tokenizer, out, state_dict=state_dict)
         if cfg.logging.plot_loss:
             run_dir.plot_log(out)

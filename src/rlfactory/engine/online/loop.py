@@ -477,6 +477,7 @@ def _finish(run: Run, last: dict, before: dict | None, after: dict | None) -> tu
     policy = accelerator.unwrap_model(run.actor.model)  # DDP keeps the weights the same on every rank
     saved_as = None
     if accelerator.is_main_process:
+        run_dir.rotate_checkpoints(run.out, cfg.train.save_total_limit)  # see the offline engine's _finish
         saved_as = save_model(policy, run.tokenizer, run.out)
         if run.critic is not None:
             from rlfactory.model.value_head import save_value_model
