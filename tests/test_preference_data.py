@@ -99,6 +99,47 @@ def test_pad_rows_leaves_out_the_mask_only_without_padding():
     assert padded["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
 
 
+def test_padded_batches_are_aligned_only_when_padded_and_never_past_the_cutoff():
+    from rlfactory.data.packing import ALIGN_COLUMNS, padded_width
+
+    assert padded_width([5, 5], ALIGN_COLUMNS) == 5  # unpadded: no mask, sdpa's causal kernel
+    assert padded_width([5, 3], ALIGN_COLUMNS) == 8
+    assert padded_width([16, 3], ALIGN_COLUMNS) == 16
+    assert padded_width([17, 3], ALIGN_COLUMNS, cap=20) == 20  # data.cutoff_len: no position past it
+    assert padded_width([5, 3]) == 5  # align 1: as long as the longest row
+    rows = [([1, 2], [3], [True]), ([4], [5], [True])]
+    batch = preference_data.pad_rows(rows, pad_id=0, align=ALIGN_COLUMNS)
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0]]
+    assert not batch["loss_mask"][:, 3:].any() and batch["logp_rows"].tolist() == [1, 8]
+
+
+def test_aligned_batches_give_the_same_losses_and_grads_in_float64(tokenizer, model):
+    """The columns an aligned collate adds are padding out of every mask: sft's NLL and the pairs' log-probs, and
+    their gradients, equal the unaligned batch's in float64."""
+    from rlfactory.data.packing import ALIGN_COLUMNS
+    from rlfactory.stages import sft
+
+    model64 = copy.deepcopy(model).double()
+    weight = model64.lm_head.weight
+    sft_items = [
+        {"input_ids": [5, 6, 7, 8, 9], "labels": [-100, -100, 7, 8, 9]},
+        {"input_ids": [4, 3, 2], "labels": [-100, 3, 2]},
+    ]
+    pair_items = preference_data.render_pairs(_cfg(), tokenizer, _pairs(4))
+    results = []
+    for align in (1, ALIGN_COLUMNS):
+        padded = sft.collate_padded(tokenizer.pad_token_id, align)(sft_items)
+        pairs = preference_data.collate_pairs(tokenizer.pad_token_id, align)(pair_items)
+        assert padded["input_ids"].shape[1] % align == 0 and pairs["input_ids"].shape[1] % align == 0
+        nll, _ = sft.nll_sum(model64, padded)
+        sums, means = preference_data.forward_logps(model64, pairs)
+        grads = torch.autograd.grad(nll + sums.sum() + means.sum(), weight)
+        results.append((nll.detach(), sums.detach(), means.detach(), grads[0]))
+    assert pairs["input_ids"].shape[1] > max(len(i["prompt_ids"]) + len(i["chosen_ids"]) for i in pair_items)
+    for unaligned, aligned in zip(*results, strict=True):
+        torch.testing.assert_close(aligned, unaligned, rtol=1e-12, atol=1e-12)
+
+
 def test_linear_token_logprobs_matches_full_log_softmax():
     """Values and both gradients against a float64 log_softmax, with chunks that do not divide the rows."""
     from rlfactory.algos.common import linear_token_logprobs

@@ -254,8 +254,8 @@ def test_update_micro_batches_are_cut_to_aligned_widths_within_the_batch():
     wide, and the online loop packs its batches that wide, so sdpa's masked kernel sees one alignment on every step
     (a compiled layer would otherwise compile again when a step's width fell the other way); never wider than the
     batch, and the extra columns are padding, out of every mask."""
+    from rlfactory.data.packing import ALIGN_COLUMNS
     from rlfactory.engine.online.update import _trimmed
-    from rlfactory.rollout.batch import ALIGN_COLUMNS
 
     prompts = [[5] * 3, [6] * 7]
     completions = [Completion([7] * 4, "stop"), Completion([8] * 10, "length")]
@@ -282,8 +282,8 @@ def test_update_micro_batches_are_cut_to_aligned_widths_within_the_batch():
 
 def test_policy_logprobs_and_loss_of_an_aligned_batch_equal_the_unaligned_ones(tiny):
     """Widening the batch to aligned columns changes no number: the update's log-probs (float64) are equal."""
+    from rlfactory.data.packing import ALIGN_COLUMNS
     from rlfactory.engine.online.update import policy_forward
-    from rlfactory.rollout.batch import ALIGN_COLUMNS
 
     model, tokenizer = tiny
     prompts = _prompts(tokenizer, 3)

@@ -13,6 +13,26 @@ from collections.abc import Sequence
 
 import torch
 
+# Padded batches are made a multiple of this many columns wide (the offline collates, when they pad at all; the
+# online loop's rollout batches and the micro-batches its passes cut). sdpa's masked CUDA kernel needs the mask's
+# rows at an aligned stride and pads them otherwise; under train.torch_compile, inductor guards on which of the two
+# the first compile saw (its sdpa lowering, pytorch/pytorch#163083), so a later step whose width fell the other way
+# compiled the layers once more (the likely cause of a 16 s update in the fifth step of a 7B grpo run on 4 GPUs,
+# docs/BENCHMARKS.md). Costs at most 7 padding columns.
+ALIGN_COLUMNS = 8
+
+
+def padded_width(lengths: Sequence[int], align: int = 1, cap: int | None = None) -> int:
+    """The width of a right-padded batch of rows ``lengths`` long: the longest, rounded up to a multiple of
+    ``align`` when the batch is padded anyway (a batch of equal rows stays unpadded: without a mask, sdpa takes its
+    causal kernel), never past ``cap`` (``data.cutoff_len``: a model with learned positions has no position past
+    it)."""
+    longest = max(lengths)
+    if align <= 1 or all(n == longest for n in lengths):
+        return longest
+    aligned = -(-longest // align) * align
+    return aligned if cap is None else max(longest, min(aligned, cap))
+
 
 def document_positions(lengths: Sequence[int]) -> torch.Tensor:
     """(sum(lengths),) int64: ``0 .. n-1`` for each document of length n, in order."""

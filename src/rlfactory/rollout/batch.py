@@ -53,15 +53,6 @@ class RolloutBatch:
         return self.input_ids.shape[0]
 
 
-# The training passes cut micro-batches of a batch to a multiple of this many columns (prompt + response), and
-# the online loop packs its batches that wide (``align_columns``), so every cut can be aligned. sdpa's masked CUDA
-# kernel needs the mask's rows at an aligned stride and pads them otherwise; under train.torch_compile, inductor
-# guards on which of the two the first compile saw (its sdpa lowering, pytorch/pytorch#163083), so a later step
-# whose width fell the other way compiled the layers once more (the likely cause of a 16 s update in the fifth
-# step of a 7B grpo run on 4 GPUs, docs/BENCHMARKS.md). Costs at most 7 padding columns.
-ALIGN_COLUMNS = 8
-
-
 def pack_rollouts(
     prompts: list[list[int]],
     completions: list[Completion],

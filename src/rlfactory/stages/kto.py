@@ -26,6 +26,7 @@ import torch
 from rlfactory.algos.common import HeadKernels, masked_mean
 from rlfactory.algos.preference import PREFERENCE_LOSSES
 from rlfactory.config.schema import KTOConfig, RunConfig
+from rlfactory.data.packing import ALIGN_COLUMNS
 from rlfactory.engine.offline import Batch, StageParts, train
 from rlfactory.errors import UserError
 from rlfactory.model.reference import ReferencePolicy, build_reference
@@ -156,13 +157,14 @@ def collate_unpaired(pad_id: int, cutoff_len: int) -> Callable[[list[dict]], Bat
     """Rows (prompt_i, completion_i) plus ``kl_`` rows (prompt_i, a completion of another prompt), ``desirable``."""
 
     def collate(items: list[dict]) -> Batch:
-        batch = pad_rows([(it["prompt_ids"], it["ids"], it["mask"]) for it in items], pad_id)
+        batch = pad_rows([(it["prompt_ids"], it["ids"], it["mask"]) for it in items], pad_id, ALIGN_COLUMNS, cutoff_len)
         kl_rows = []
         for item, other in zip(items, mismatched(items), strict=True):
             # the completion fits cutoff_len with one prompt token (render_unpaired checked it)
             prompt = fit_prompt(item["prompt_ids"], len(other["ids"]), cutoff_len, "right") or item["prompt_ids"][-1:]
             kl_rows.append((prompt, other["ids"], other["mask"]))
-        batch.update({f"kl_{k}": v for k, v in pad_rows(kl_rows, pad_id).items()})
+        kl_batch = pad_rows(kl_rows, pad_id, ALIGN_COLUMNS, cutoff_len)
+        batch.update({f"kl_{k}": v for k, v in kl_batch.items()})
         batch["desirable"] = torch.tensor([it["label"] for it in items], dtype=torch.bool)
         # (any desirable, any undesirable) as host booleans: the loss picks its logged class means without a sync
         batch["labels_present"] = (any(it["label"] for it in items), not all(it["label"] for it in items))

@@ -20,6 +20,7 @@ import torch
 from rlfactory.algos.common import HeadKernels
 from rlfactory.algos.preference import PREFERENCE_LOSSES, preference_metrics
 from rlfactory.config.schema import ORPOConfig, RunConfig
+from rlfactory.data.packing import ALIGN_COLUMNS
 from rlfactory.engine.offline import Batch, StageParts, train
 from rlfactory.render.plain import tokenizer_for
 from rlfactory.stages import common, preference_data
@@ -74,7 +75,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     parts = StageParts(
         train_examples=train_items,
         eval_examples=eval_items,
-        collate=collate_pairs(tokenizer.pad_token_id),
+        collate=collate_pairs(tokenizer.pad_token_id, ALIGN_COLUMNS, cfg.data.cutoff_len),
         loss_fn=make_loss(cfg.orpo, head_kernels(cfg.model, cfg.train)),
         count_fn=count_pairs,
         before_training=common.score_before(cfg, tokenizer, eval_prompts),

@@ -20,6 +20,7 @@ import torch
 
 from rlfactory.algos.common import HeadKernels, masked_sum, token_logprobs
 from rlfactory.config.schema import RunConfig
+from rlfactory.data.packing import padded_width
 from rlfactory.engine.offline import Batch
 from rlfactory.errors import UserError
 from rlfactory.model.reference import ReferencePolicy
@@ -148,13 +149,14 @@ def fit_counts(cfg: RunConfig, tokenizer: Any, examples: list[dict]) -> FitCount
     return counts
 
 
-def pad_rows(rows: list[Row], pad_id: int) -> Batch:
+def pad_rows(rows: list[Row], pad_id: int, align: int = 1, cap: int | None = None) -> Batch:
     """Right-padded ``input_ids``, ``attention_mask`` and ``loss_mask`` (True on trained response tokens), and
     ``logp_rows``: the flat (rows x width) indices of the positions whose next token is trained.
 
-    Without padding the mask is left out, as in sft: sdpa then runs its causal kernel instead of a masked one.
+    Without padding the mask is left out, as in sft: sdpa then runs its causal kernel instead of a masked one. A
+    padded batch is rounded up to ``align`` columns, up to ``cap`` (:func:`rlfactory.data.packing.padded_width`).
     """
-    width = max(len(prompt) + len(response) for prompt, response, _ in rows)
+    width = padded_width([len(prompt) + len(response) for prompt, response, _ in rows], align, cap)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(rows), width), dtype=torch.long)
     loss_mask = torch.zeros((len(rows), width), dtype=torch.bool)
@@ -172,13 +174,14 @@ def pad_rows(rows: list[Row], pad_id: int) -> Batch:
     return batch
 
 
-def collate_pairs(pad_id: int) -> Callable[[list[dict]], Batch]:
-    """B pairs -> one batch of 2B rows, chosen first; carries ``margin`` and precomputed ``ref_*`` if present."""
+def collate_pairs(pad_id: int, align: int = 1, cap: int | None = None) -> Callable[[list[dict]], Batch]:
+    """B pairs -> one batch of 2B rows, chosen first; carries ``margin`` and precomputed ``ref_*`` if present.
+    ``align``, ``cap``: see :func:`pad_rows`."""
 
     def collate(items: list[dict]) -> Batch:
         chosen = [(it["prompt_ids"], it["chosen_ids"], it["chosen_mask"]) for it in items]
         rejected = [(it["prompt_ids"], it["rejected_ids"], it["rejected_mask"]) for it in items]
-        batch = pad_rows(chosen + rejected, pad_id)
+        batch = pad_rows(chosen + rejected, pad_id, align, cap)
         batch["margin"] = torch.tensor([float(it.get("margin") or 0.0) for it in items])
         if "ref_chosen_logps" in items[0]:
             batch["ref_logps"] = torch.tensor(

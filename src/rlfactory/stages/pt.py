@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlfactory.config.schema import RunConfig
+from rlfactory.data.packing import ALIGN_COLUMNS
 from rlfactory.engine.offline import StageParts, train
 from rlfactory.errors import UserError
 from rlfactory.stages import common
@@ -91,7 +92,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     parts = StageParts(
         train_examples=train_items,
         eval_examples=eval_items or None,
-        collate=collate_padded(tokenizer.pad_token_id),
+        collate=collate_padded(tokenizer.pad_token_id, ALIGN_COLUMNS, d.cutoff_len),
         loss_fn=functools.partial(nll_sum, kernels=head_kernels(cfg.model, cfg.train)),
         count_fn=count_tokens,
         before_training=common.score_before(cfg, tokenizer, eval_prompts),

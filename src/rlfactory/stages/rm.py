@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from rlfactory.config.schema import RMConfig, RunConfig
+from rlfactory.data.packing import ALIGN_COLUMNS
 from rlfactory.engine.offline import Batch, StageParts, train
 from rlfactory.errors import UserError
 from rlfactory.render.plain import tokenizer_for
@@ -100,7 +101,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     parts = StageParts(
         train_examples=train_items,
         eval_examples=eval_items,
-        collate=collate_pairs(tokenizer.pad_token_id),
+        collate=collate_pairs(tokenizer.pad_token_id, ALIGN_COLUMNS, cfg.data.cutoff_len),
         loss_fn=make_loss(cfg.rm),
         count_fn=count_pairs,
     )

@@ -18,7 +18,7 @@ import torch
 
 from rlfactory.algos.common import HeadKernels
 from rlfactory.config.schema import RunConfig
-from rlfactory.data.packing import pack_sequences
+from rlfactory.data.packing import ALIGN_COLUMNS, pack_sequences, padded_width
 from rlfactory.engine.offline import Batch, StageParts, train
 from rlfactory.errors import UserError
 from rlfactory.render.chat import IGNORE_INDEX
@@ -81,9 +81,12 @@ def fit_counts(cfg: RunConfig, tokenizer: Any, examples: list[dict]) -> FitCount
     return counts
 
 
-def collate_padded(pad_id: int):
+def collate_padded(pad_id: int, align: int = 1, cap: int | None = None):
+    """Right-padded rows; a padded batch is ``align`` columns wide at most past its longest row (see
+    :func:`rlfactory.data.packing.padded_width`; the stages pass ALIGN_COLUMNS and data.cutoff_len)."""
+
     def collate(items: list[dict[str, list[int]]]) -> Batch:
-        width = max(len(item["input_ids"]) for item in items)
+        width = padded_width([len(item["input_ids"]) for item in items], align, cap)
         ids = torch.full((len(items), width), pad_id, dtype=torch.long)
         labels = torch.full((len(items), width), IGNORE_INDEX, dtype=torch.long)
         mask = torch.zeros((len(items), width), dtype=torch.long)
@@ -160,10 +163,11 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     model = load_model(cfg.model, cfg.lora, cfg.freeze, torch_compile=cfg.train.torch_compile)
     common.start_output_dir(cfg, resume_from)
 
+    padded = collate_padded(tokenizer.pad_token_id, ALIGN_COLUMNS, cfg.data.cutoff_len)
     parts = StageParts(
         train_examples=train_items,
         eval_examples=eval_items,
-        collate=collate_packed if cfg.data.packing else collate_padded(tokenizer.pad_token_id),
+        collate=collate_packed if cfg.data.packing else padded,
         loss_fn=functools.partial(nll_sum, kernels=head_kernels(cfg.model, cfg.train)),
         count_fn=count_tokens,
         before_training=common.score_before(cfg, tokenizer, eval_prompts),

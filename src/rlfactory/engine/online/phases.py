@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rlfactory.config.schema import RunConfig
+from rlfactory.data.packing import ALIGN_COLUMNS
 from rlfactory.engine.health import HealthMonitor
 from rlfactory.engine.online import update as ops
 from rlfactory.engine.online.overlap import Prefetch, Round, generate_round
@@ -49,7 +50,7 @@ from rlfactory.engine.shared import peak_memory_gb
 from rlfactory.rewards.stack import RewardStack, Sample, Scores, score_metrics
 from rlfactory.rollout.agent import Rollouts, episode_metrics, episode_trace_fields
 from rlfactory.rollout.base import SamplingParams
-from rlfactory.rollout.batch import ALIGN_COLUMNS, RolloutBatch, pack_rollouts
+from rlfactory.rollout.batch import RolloutBatch, pack_rollouts
 
 if TYPE_CHECKING:
     from accelerate import Accelerator

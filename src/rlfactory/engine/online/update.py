@@ -29,8 +29,9 @@ import torch.nn.functional as F
 
 from rlfactory.algos.common import entropy_from_logits, masked_mean, masked_var, token_logprobs
 from rlfactory.config.schema import AlgorithmConfig
+from rlfactory.data.packing import ALIGN_COLUMNS
 from rlfactory.engine.shared import NonFiniteGuard, autocast_forward, backward, clip_grad_norm
-from rlfactory.rollout.batch import ALIGN_COLUMNS, RolloutBatch, response_logits
+from rlfactory.rollout.batch import RolloutBatch, response_logits
 
 if TYPE_CHECKING:
     from rlfactory.engine.online.ranks import Ranks
