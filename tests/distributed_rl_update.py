@@ -155,6 +155,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name, algorithm in CASES.items():
         run_case(name, algorithm, out)
+    if torch.distributed.is_initialized():  # as the CLI ends a launched run (launch.close_process_group)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
