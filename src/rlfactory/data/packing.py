@@ -22,6 +22,11 @@ import torch
 ALIGN_COLUMNS = 8
 
 
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is >= ``n``."""
+    return -(-n // multiple) * multiple
+
+
 def padded_width(lengths: Sequence[int], align: int = 1, cap: int | None = None) -> int:
     """The width of a right-padded batch of rows ``lengths`` long: the longest, rounded up to a multiple of
     ``align`` when the batch is padded anyway (a batch of equal rows stays unpadded: without a mask, sdpa takes its
@@ -30,7 +35,7 @@ def padded_width(lengths: Sequence[int], align: int = 1, cap: int | None = None)
     longest = max(lengths)
     if align <= 1 or all(n == longest for n in lengths):
         return longest
-    aligned = -(-longest // align) * align
+    aligned = round_up(longest, align)
     return aligned if cap is None else max(longest, min(aligned, cap))
 
 

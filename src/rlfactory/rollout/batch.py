@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from rlfactory.data.packing import round_up
 from rlfactory.rollout.base import Completion
 
 
@@ -73,7 +74,7 @@ def pack_rollouts(
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
     width_p = max(len(p) for p in prompts)
     width_r = max(1, max(len(c.token_ids) for c in completions))
-    width_r += -(width_p + width_r) % align_columns
+    width_r = round_up(width_p + width_r, align_columns) - width_p
     batch = len(prompts)
     input_ids = torch.full((batch, width_p + width_r), pad_id, dtype=torch.long)
     attention = torch.zeros((batch, width_p + width_r), dtype=torch.long)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from rlfactory.algos.common import entropy_from_logits, masked_mean, masked_var, token_logprobs
 from rlfactory.config.schema import AlgorithmConfig
-from rlfactory.data.packing import ALIGN_COLUMNS
+from rlfactory.data.packing import ALIGN_COLUMNS, round_up
 from rlfactory.engine.shared import NonFiniteGuard, autocast_forward, backward, clip_grad_norm
 from rlfactory.rollout.batch import RolloutBatch, response_logits
 
@@ -43,14 +43,14 @@ def _trimmed(batch: Batch, rows: torch.Tensor, width: int | None = None) -> tupl
     """Model inputs for ``rows`` without the right padding no row of them needs; and their response width
     (the rows' longest response, rounded up so that prompt + response columns are a multiple of ALIGN_COLUMNS
     where the batch is that wide -- the online loop packs it so -- : the extra columns are padding, out of every
-    mask; rollout/batch.py says why).
+    mask; data/packing.py says why).
 
     ``width``: the rows' longest response, when the caller knows it from host-side lengths. Reading it from
     the device here would be a GPU sync per micro-batch, which stops the CPU from queueing the next one.
     """
     width_r = max(1, width if width is not None else int(batch.response_length[rows].max()))
     width_p = batch.input_ids.shape[1] - batch.responses.shape[1]
-    width_r = min(batch.responses.shape[1], width_r + (-(width_p + width_r)) % ALIGN_COLUMNS)
+    width_r = min(batch.responses.shape[1], round_up(width_p + width_r, ALIGN_COLUMNS) - width_p)
     end = width_p + width_r
     inputs = {k: getattr(batch, k)[rows, :end] for k in ("input_ids", "attention_mask", "position_ids")}
     return inputs, width_r
