@@ -116,7 +116,35 @@ def summarize(path: str | Path, gaps: int = 8) -> str:
             f"  {gap / 1e3:7.2f} ms at +{(before['ts'] + before['dur'] - start) / 1e3:.1f} ms, before "
             f"{after['name'][:50]} (launched in: {where})"
         )
+    lines.extend(_kernel_shares(kernels))
     return "\n".join(lines)
+
+
+KERNEL_KINDS = (  # (kind, substrings of a kernel's name), first match wins
+    ("collective", ("nccl",)),
+    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+    ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "splitk")),
+    ("triton", ("triton",)),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("copy/fill", ("copy", "fill", "memset", "memcpy", "cat")),
+)
+
+
+def _kernel_shares(kernels: list[dict[str, Any]], top: int = 12) -> list[str]:
+    """Kernel time of the step by kind and the longest kernels by name: where the GPU's busy time goes."""
+    by_kind: dict[str, float] = {}
+    by_name: dict[str, list[float]] = {}
+    for k in kernels:
+        name = k["name"].lower()
+        kind = next((kind for kind, keys in KERNEL_KINDS if any(key in name for key in keys)), "other")
+        by_kind[kind] = by_kind.get(kind, 0.0) + k["dur"]
+        by_name.setdefault(k["name"], []).append(k["dur"])
+    total = sum(by_kind.values()) or 1.0
+    kinds = sorted(by_kind.items(), key=lambda x: -x[1])
+    lines = ["kernel time by kind: " + ", ".join(f"{kind} {t / 1e3:.1f} ms ({t / total:.0%})" for kind, t in kinds)]
+    for name, durs in sorted(by_name.items(), key=lambda x: -sum(x[1]))[:top]:
+        lines.append(f"  {sum(durs) / 1e3:7.2f} ms in {len(durs):4d} x {name[:90]}")
+    return lines
 
 
 if __name__ == "__main__":
