@@ -208,13 +208,7 @@ def _setup(cfg: RunConfig, model: Any, parts: StageParts) -> _Setup:
     optimizer = make_optimizer(model, cfg.train.learning_rate, cfg.train)
     scheduler = make_scheduler(optimizer, cfg.train, total_steps)
     model, optimizer, loader, scheduler = prepare_model(
-        accelerator,
-        model,
-        optimizer,
-        loader,
-        scheduler,
-        torch_compile=cfg.train.torch_compile,
-        cuda_graphs=cfg.train.cuda_graphs,
+        accelerator, model, optimizer, loader, scheduler, torch_compile=cfg.train.torch_compile
     )
     accelerator.register_save_state_pre_hook(keep_trainable_weights)
     init_trackers(accelerator, cfg)
@@ -232,8 +226,6 @@ def _train_window(
     units = acc.reduce(units, "sum").clamp(min=1.0)
     window_loss, tokens, grad_norm, total_loss = torch.zeros((), device=acc.device), 0, None, None
     for batch in window:
-        if cfg.train.cuda_graphs:  # a new generation of CUDA graph trees: the last micro-batch's outputs are done with
-            torch.compiler.cudagraph_mark_step_begin()
         with acc.accumulate(s.model):
             with autocast_forward(acc, s.model):
                 loss_sum, metrics = parts.loss_fn(s.model, batch)
