@@ -62,7 +62,8 @@ TEST_WORKERS ?= 2
 # default chunks of a quarter of the suite let a worker end on a long test while the other idles
 XDIST_ORDER := $(if $(filter 0,$(TEST_WORKERS)),,--maxschedchunk 2)
 # PYTHONFAULTHANDLER: a process that aborts in C++ (a rank's rare "terminate called without an active exception"
-# at the end of a 2-process run) prints every thread's Python stack, so the log says where it was
+# in a 2-process run) prints every thread's Python stack, so the log says where it was; tests/conftest.py adds the
+# aborting thread's native stack (tests/native/abort_backtrace.c)
 test-main: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(XDIST_ORDER) -m "not long"
 

@@ -22,6 +22,35 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _preload_native_stacks() -> None:
+    """Child processes of the tests (CLI runs, torchrun ranks) print the native stack of a thread that aborts or
+    crashes (tests/native/abort_backtrace.c): a rank has now and then died of "terminate called without an active
+    exception" in a C++ thread, where Python's faulthandler shows no frame. Built once per source version with the
+    C compiler; without one, nothing changes."""
+    import hashlib
+    import shutil
+    import tempfile
+
+    source = ROOT / "tests" / "native" / "abort_backtrace.c"
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or not source.exists():
+        return
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+    library = Path(tempfile.gettempdir()) / f"rlfactory-abort-backtrace-{digest}.so"
+    if not library.exists():
+        partial = library.with_name(f"{library.name}.{os.getpid()}")  # xdist workers build side by side
+        built = subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-o", str(partial), str(source)], check=False)
+        if built.returncode != 0:
+            return
+        os.replace(partial, library)
+    preloaded = os.environ.get("LD_PRELOAD", "")
+    if str(library) not in preloaded.split(":"):
+        os.environ["LD_PRELOAD"] = f"{preloaded}:{library}".strip(":")
+
+
+_preload_native_stacks()
+
+
 def run_cli(
     *args: str, cwd: Path | None = None, timeout: float = 900, cold: bool = False
 ) -> subprocess.CompletedProcess:
