@@ -363,11 +363,12 @@ def test_runs_trained_in_the_page_reach_monitor_chat_and_export(page, app_url):
     page.get_by_role("tab", name="Train").click()
     set_field(page, "output_dir", "outputs/second")
     set_field(page, "distributed.num_processes", 1)
-    # the second run writes its first log line at step 100, so while the checks below run it has no chart of its
-    # own: a chart shown then is the first run's (with 2 steps it could log before the check, and show its own)
-    set_field(page, "train.max_steps", 100)
+    # the second run writes its first log line at step 500, so while the checks below run it has no chart of its
+    # own: a chart shown then is the first run's (with 2 steps it could log before the check, and show its own; with
+    # 100, ~5 s of the tiny model on a quiet machine, it did too)
+    set_field(page, "train.max_steps", 500)
     open_section(page, "logging")
-    set_field(page, "logging.logging_steps", 100)
+    set_field(page, "logging.logging_steps", 500)
     page.locator("#btn-start").click()
     expect(status).to_contain_text("outputs/second", timeout=60_000)
     expect(page.locator("#monitor-progress")).not_to_contain_text("step 2/2")  # not the first run's bar
