@@ -51,6 +51,15 @@ def _preload_native_stacks() -> None:
 _preload_native_stacks()
 
 
+def failure_output(stderr: str, tail: int = 4000) -> str:
+    """The end of a failed run's stderr, with the native stack of an aborted thread (tests/native) kept in front
+    when the tail would cut it off: torchrun's report of the stopped ranks comes after it."""
+    start = stderr.rfind("*** native stack of the thread")
+    if 0 <= start < len(stderr) - tail:
+        return f"{stderr[start : start + 4000]}\n...\n{stderr[-tail:]}"
+    return stderr[-tail:]
+
+
 def run_cli(
     *args: str, cwd: Path | None = None, timeout: float = 900, cold: bool = False
 ) -> subprocess.CompletedProcess:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.conftest import DATA_DIR, ROOT, TINY_MODEL, expect_train_error, run_cli, write_yaml
+from tests.conftest import DATA_DIR, ROOT, TINY_MODEL, expect_train_error, failure_output, run_cli, write_yaml
 
 from rlfactory.engine.run_dir import read_log
 
@@ -89,7 +89,7 @@ def sft_reference(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("sft_ref")
     cfg = _sft(tmp, "ref", batch=8)
     result = run_cli("train", str(write_yaml(tmp / "ref.yaml", cfg)))
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure_output(result.stderr)
     return Path(cfg["output_dir"])
 
 
@@ -99,7 +99,7 @@ def test_sft_self_launched_on_two_processes_matches_one(sft_reference: Path, tmp
     gives the curve of batch 8 x 1, one log, one model, one summary, the same generation scores."""
     cfg = _sft(tmp_path, "two", batch=4, processes=2)
     result = run_cli("train", str(write_yaml(tmp_path / "two.yaml", cfg)))
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure_output(result.stderr)
     assert "launching: torchrun" in result.stdout and "x 2 process(es)" in result.stdout
     assert result.stdout.count("saved full model") == 1  # the summary is printed once
     out = Path(cfg["output_dir"])
@@ -151,11 +151,11 @@ def test_dpo_under_torchrun_matches_one_process(tmp_path: Path):
     give the curve of pairs 8 x accum 1 x 1 process; one adapter, one plot."""
     one = _dpo(tmp_path, "one", batch=8, accum=1)
     result = run_cli("train", str(write_yaml(tmp_path / "one.yaml", one)))
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure_output(result.stderr)
     two = _dpo(tmp_path, "two", batch=2, accum=2)
     result = _torchrun("--standalone", "--nproc_per_node", "2", "-m", "rlfactory", "train",
                        str(write_yaml(tmp_path / "two.yaml", two)))
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure_output(result.stderr)
     assert "launching" not in result.stdout and "x 2 process(es)" in result.stdout
     assert result.stdout.count("saved adapter model") == 1
     a, b = Path(one["output_dir"]), Path(two["output_dir"])
@@ -186,7 +186,7 @@ def test_sigterm_stops_both_processes_at_one_step_with_a_checkpoint_and_resumes(
     saved = {p.name for p in checkpoint.iterdir()}
     assert {"random_states_0.pkl", "random_states_1.pkl", "trainer_state.json"} <= saved  # both ranks saved
     resumed = run_cli("train", str(path), "resume_from_checkpoint=auto")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, failure_output(resumed.stderr)
     assert f"resumed from {checkpoint}" in resumed.stdout
     _same_curve(sft_reference, out)
 
@@ -213,14 +213,14 @@ def test_killed_two_process_run_resumes(sft_reference: Path, tmp_path: Path):
     shutil.copytree(out, one_process)
 
     resumed = run_cli("train", str(path), "resume_from_checkpoint=auto")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, failure_output(resumed.stderr)
     assert "resumed from" in resumed.stdout
     _same_curve(sft_reference, out)
     _one_writer(out, 4)
 
     resumed = run_cli("train", str(path), "resume_from_checkpoint=auto", f"output_dir={one_process}",
                       "distributed.num_processes=1", "train.per_device_batch_size=8")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, failure_output(resumed.stderr)
     _same_curve(sft_reference, one_process)
     refused = run_cli("train", str(path), "resume_from_checkpoint=auto", f"output_dir={out}",
                       "distributed.num_processes=1", "overwrite_output_dir=false")
@@ -243,7 +243,7 @@ def test_failed_start_leaves_nothing_that_blocks_the_same_command(sft_config: di
     marker = json.loads((out / "run.json").read_text())["run_id"]
 
     fixed = run_cli("train", str(path), "train.grad_accum_steps=1")
-    assert fixed.returncode == 0, fixed.stderr[-2000:]
+    assert fixed.returncode == 0, failure_output(fixed.stderr)
     assert json.loads((out / "run.json").read_text())["run_id"] != marker  # a new run, a new marker
     again = run_cli("train", str(path), "train.grad_accum_steps=1")
     assert again.returncode == 2 and "already holds a run" in again.stderr

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from tests import test_stage_grpo as stage_grpo
-from tests.conftest import ROOT, TINY_MODEL, run_cli, write_yaml
+from tests.conftest import ROOT, TINY_MODEL, failure_output, run_cli, write_yaml
 
 from rlfactory.engine.run_dir import read_log
 
@@ -51,7 +51,7 @@ def train(cfg: dict, tmp_path: Path, *overrides: str, processes: int = 2) -> sub
         result = run_cli("train", str(path), *overrides, timeout=TIMEOUT)
     else:
         result = torchrun("-m", "rlfactory", "train", str(path), *overrides, processes=processes)
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.returncode == 0, failure_output(result.stderr)
     return result
 
 
@@ -78,9 +78,9 @@ def test_an_update_on_fixed_rollouts_is_the_same_on_one_and_two_processes(tmp_pa
     script = str(ROOT / "tests" / "distributed_rl_update.py")
     command = [sys.executable, script, str(tmp_path / "one")]
     one = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
-    assert one.returncode == 0, one.stderr[-4000:]
+    assert one.returncode == 0, failure_output(one.stderr)
     two = torchrun(script, str(tmp_path / "two"))
-    assert two.returncode == 0, two.stderr[-4000:]
+    assert two.returncode == 0, failure_output(two.stderr)
     for case in ("grpo_token_mean", "rpp_seq_mean", "gae_seq_sum_norm", "gae_seq_sum_norm_packed"):
         a, b = (torch.load(tmp_path / run / f"{case}.pt") for run in ("one", "two"))
         assert a["grads"].keys() == b["grads"].keys()

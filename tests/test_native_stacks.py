@@ -28,3 +28,13 @@ def test_a_child_that_aborts_in_a_thread_prints_its_native_stack():
     assert "Fatal Python error: Aborted" in result.stderr  # faulthandler's part comes first
     native = result.stderr.split("native stack of the thread that got a fatal signal")[1]
     assert "abort" in native and "libc" in native, native
+
+
+def test_a_failure_message_keeps_the_native_stack_that_the_tail_would_cut():
+    from tests.conftest import failure_output
+
+    stack = "*** native stack of the thread that got a fatal signal (tests/native) ***\nlibgloo.so(+0x1)\n"
+    report = "torchrun: rank 1 failed\n" * 400  # ~10k characters after the stack
+    message = failure_output("start\n" + stack + report)
+    assert message.startswith(stack) and message.endswith(report[-4000:])
+    assert failure_output("short") == "short"
