@@ -1,7 +1,8 @@
 """Which training runs CUDA graphs survive (issue 15): the per-layer compile in torch.compile's reduce-overhead mode
-(the bench's ``-cudagraphs`` lever) on the bundled model's sft LoRA, with and without gradient accumulation, on
-batches of varying widths (padded) or of one width (packed), with three ways of starting a new generation of CUDA
-graph trees, and with graphs left out for dynamic-shape recompiles.
+(what ``train.cuda_graphs`` sets; here without the option, so that only the variant marks) on the bundled model's
+sft LoRA, with and without gradient accumulation, on batches of varying widths (padded) or of one width (packed),
+with three ways of starting a new generation of CUDA graph trees, and with graphs left out for dynamic-shape
+recompiles.
 
     python bench/cudagraph_probe.py                      # on a GPU host: one PROBE line per run, then a table
     python bench/cudagraph_probe.py --variants 3-pad-micro,3-pad-window
@@ -13,6 +14,8 @@ process-wide) and is compared with the compiled run without graphs of the same a
 passes when it finishes and its per-step losses match (float32, relative 1e-4). Why: a first attempt at a
 ``train.cuda_graphs`` option (docs/BENCHMARKS.md, seventeenth session) failed in a run with accumulation and
 varying widths ("accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run").
+Measured on an H200 (eighteenth session): ``none`` and ``micro`` fail with accumulation, packed or padded;
+``window`` passes both with losses equal to the compiled run's, and is what ``train.cuda_graphs`` does.
 """
 
 from __future__ import annotations
@@ -48,9 +51,9 @@ def worker(variant: str, out: Path) -> dict:
     accum, layout = (int(parts[0]), parts[1]) if graphs else (int(parts[1]), parts[2])
     mark = parts[2] if graphs else "none"
     if graphs:  # as train_bench.py's -cudagraphs lever
-        from train_bench import COMPILE_MODES, _compile_layers_with_mode
+        from train_bench import _compile_layers_with_mode
 
-        shared.compile_layers = functools.partial(_compile_layers_with_mode, mode=COMPILE_MODES["cudagraphs"])
+        shared.compile_layers = functools.partial(_compile_layers_with_mode, mode="reduce-overhead")
     if "skipdyn" in parts:
         torch._inductor.config.triton.cudagraph_skip_dynamic_graphs = True
     if mark == "micro":  # the offline loop enters autocast_forward once per micro-batch, before its forward

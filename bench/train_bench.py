@@ -12,16 +12,13 @@ Impls: ``ours`` (the stage's own loss path through the shared engine), ``ours_co
 ``trl_wrapped`` / ``trl_bfd`` / ``trl_padded`` / ``trl_wrapped_liger`` (SFT packing variants) or ``trl``
 (DPOTrainer / RewardTrainer; any ``trl*`` name selects them for the dpo and rm cases).
 Levers under test append to an ``ours*`` name: ``-c8192`` (LM-head rows per chunk in sft's loss; default:
-a 1.25 GB logits budget), ``-autotune`` / ``-cudagraphs`` (the per-layer compile in mode
-max-autotune-no-cudagraphs / reduce-overhead; the latter is no config option: a real run with accumulation and
-varying widths fails in CUDA graph trees, docs/BENCHMARKS.md, seventeenth session), ``-decoder`` (the whole
-decoder compiled as one graph),
-``-mem`` (GPU memory after the forward, after the loss and at the backward's peak, per step), ``-ddpsplit``
-(dynamo's DDP graph split left on: each compiled layer cut at the gradient buckets, as before the change),
+a 1.25 GB logits budget), ``-cudagraphs`` (``train.cuda_graphs``: the compiled layers replayed as CUDA graphs),
+``-autotune`` (the per-layer compile in mode max-autotune-no-cudagraphs), ``-decoder`` (the whole decoder compiled
+as one graph), ``-mem`` (GPU memory after the forward, after the loss and at the backward's peak, per step),
+``-ddpsplit`` (dynamo's DDP graph split left on: each compiled layer cut at the gradient buckets, as before the change),
 ``-peftswitch`` (PEFT's own adapter switches, ``disable_adapter()`` and ``disable_input_dtype_casting``, which
 walk every module on each use, as before the fourteenth session), ``-static`` / ``-bigbucket`` / ``-bucketview``
 (DDP's static_graph, a 1 GB bucket, gradient_as_bucket_view),
-``-vocabstatic`` (sft's compiled head chunk with a static vocabulary size, its rows dynamic),
 ``-masksel`` (dpo: response positions selected by a boolean mask on the GPU, a host wait per forward, instead of
 the collate's host-side row indices) and ``-indexadd`` (those rows taken with ``index_select``, whose backward
 adds with atomics), both as before the thirteenth session.
@@ -218,8 +215,11 @@ def run_ours(args, model, tokenizer, sequences, out: str) -> tuple[list[float], 
     from rlfactory.engine.run_dir import read_log
 
     model, parts = _ours_parts(args, model, tokenizer, sequences)
+    cuda_graphs = False
     for variant in args.impl.split("-")[1:]:  # levers under test (-c<rows>: in _ours_kernels)
-        if variant in COMPILE_MODES:
+        if variant == "cudagraphs":  # train.cuda_graphs
+            cuda_graphs = True
+        elif variant in COMPILE_MODES:
             from rlfactory.engine import shared
 
             shared.compile_layers = functools.partial(_compile_layers_with_mode, mode=COMPILE_MODES[variant])
@@ -239,8 +239,6 @@ def run_ours(args, model, tokenizer, sequences, out: str) -> tuple[list[float], 
             _peft_switches()
         elif variant in DDP_LEVERS:  # DDP's own switches, through Accelerate's kwargs handler
             _ddp_kwargs.update(DDP_LEVERS[variant])
-        elif variant == "vocabstatic":  # sft's compiled head chunk with a static vocabulary (rows dynamic only)
-            _static_vocab_chunk()
         elif variant == "indexadd":  # the head's row selection with index_select's atomic-add backward (before)
             from rlfactory.model import lm_head
 
@@ -264,6 +262,7 @@ def run_ours(args, model, tokenizer, sequences, out: str) -> tuple[list[float], 
                 "lr_scheduler": "constant",
                 "mixed_precision": "bf16" if args.device == "cuda" else "no",
                 **({"torch_compile": True} if args.impl.startswith("ours_compile") else {}),
+                **({"cuda_graphs": True} if cuda_graphs else {}),
             },
             "logging": {"logging_steps": 1, "plot_loss": False, "progress_bar": False},
         },
@@ -319,25 +318,7 @@ def _without_host_rows(collate):
     return wrapped
 
 
-def _static_vocab_chunk() -> None:
-    """sft's compiled LM-head chunk (``algos.common._nll_and_dlogits_fusable_``) with only its rows dynamic: under
-    ``dynamic=True`` the vocabulary size is symbolic too, so the pointwise gradient kernel finds each element's
-    column by an integer division by a runtime value (an H200 trace: 2.55 ms for a 4096 x 152k chunk, ~1 TB/s)."""
-    import torch
-
-    from rlfactory.algos import common
-
-    compiled = torch.compile(common._nll_and_dlogits_fusable_)
-
-    def chunk(logits, target):
-        torch._dynamo.maybe_mark_dynamic(logits, 0)
-        torch._dynamo.maybe_mark_dynamic(target, 0)
-        return compiled(logits, target)
-
-    common._compiled_nll_and_dlogits_ = lambda: chunk
-
-
-COMPILE_MODES = {"autotune": "max-autotune-no-cudagraphs", "cudagraphs": "reduce-overhead"}
+COMPILE_MODES = {"autotune": "max-autotune-no-cudagraphs"}
 
 
 def _compile_layers_with_mode(model, mode: str) -> int:

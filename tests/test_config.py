@@ -80,6 +80,28 @@ def test_cross_field_rules():
         validate_config({"stage": "sft", "data": {"dataset": "d"}}, "run.yaml")
 
 
+@pytest.mark.parametrize(
+    ("raw", "refusal"),
+    [
+        ({"train": {"torch_compile": False}}, "set train.torch_compile: true as well"),
+        (
+            {"stage": "grpo", "reward": {"functions": ["answer_match"]}},
+            "offline stages .* stage grpo's update sees batches of new widths",
+        ),
+        ({"model": {"name_or_path": "m", "gradient_checkpointing": True}}, "with model.gradient_checkpointing"),
+        ({"distributed": {"strategy": "fsdp2"}}, "ddp only, not distributed.strategy fsdp2"),
+        ({"train": {"deepspeed": "ds.json"}}, "ddp only, not train.deepspeed"),
+    ],
+)
+def test_cuda_graphs_are_refused_where_they_cannot_replay(raw: dict, refusal: str):
+    """train.cuda_graphs needs the compiled layers, an offline stage's repeating shapes, no recomputation in the
+    backward and whole weights on every process; each miss is one message naming the key."""
+    train = {"torch_compile": True, "cuda_graphs": True, **raw.get("train", {})}
+    with pytest.raises(UserError, match=refusal):
+        validate_config({**BASE, **raw, "train": train}, "run.yaml")
+    assert validate_config({**BASE, "train": {"torch_compile": True, "cuda_graphs": True}}, "x").train.cuda_graphs
+
+
 def test_overrides_parse_yaml_values():
     raw = apply_overrides(BASE, ["train.learning_rate=3e-4", "lora.target_modules=[q_proj, v_proj]", "seed=7"])
     cfg = validate_config(raw, "x")

@@ -258,6 +258,40 @@ def test_compile_layers_finds_the_decoder_stack_under_peft():
     assert compile_layers(apply_lora(model, LoraConfig(), False)) == layers
 
 
+def test_cuda_graphs_compile_layers_in_reduce_overhead_mode_and_mark_each_optimizer_step(tmp_path: Path, monkeypatch):
+    """train.cuda_graphs: every decoder layer is compiled in torch.compile's reduce-overhead mode (CUDA graph trees),
+    and each optimizer step (not each micro-batch) starts a new generation of the trees, so a replay never overwrites
+    the gradients accumulated so far.
+    (The compile itself is not under test here; the GPU measurement is in docs/BENCHMARKS.md.)"""
+    from transformers import AutoConfig
+
+    modes: list[str | None] = []
+    marks: list[int] = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: modes.append(kw.get("mode")))
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    cfg = validate_config(
+        {
+            "stage": "sft",
+            "output_dir": str(tmp_path / "run"),
+            "model": {"name_or_path": str(TINY_MODEL), "finetuning": "lora"},
+            "data": {"dataset": "arith_sft", "dataset_dir": str(DATA_DIR), "max_samples": 16, "cutoff_len": 128},
+            "train": {
+                "max_steps": 2,
+                "per_device_batch_size": 2,
+                "grad_accum_steps": 3,
+                "torch_compile": True,
+                "cuda_graphs": True,
+            },
+            "logging": {"progress_bar": False, "plot_loss": False},
+        },
+        "test",
+    )
+    sft.run(cfg)
+    assert modes == ["reduce-overhead"] * AutoConfig.from_pretrained(TINY_MODEL).num_hidden_layers
+    assert len(marks) == 2  # one per optimizer step, whatever the accumulation
+    assert len(_losses(tmp_path / "run")) == 2
+
+
 def ddp_split_graphs(whole: bool) -> int:
     """How many graphs dynamo's DDP optimizer splits when two compiled residual-MLP layers (4 MB each, a decoder
     layer's shape in small) run inside DDP with 1 MB buckets, on a 1-process gloo group; ``whole``: after

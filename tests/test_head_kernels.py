@@ -118,7 +118,7 @@ def test_two_sft_runs_in_one_process_each_use_their_own_kernels(tmp_path: Path, 
         return linear_nll_sum(*args, kernels=kernels, **kw)
 
     monkeypatch.setattr(lm_head, "linear_nll_sum", spy)
-    monkeypatch.setattr(shared, "compile_layers", lambda _model: 0)  # the layers' compile is not under test
+    monkeypatch.setattr(shared, "compile_layers", lambda _model, **_: 0)  # the layers' compile is not under test
     sft.run(_sft_config(tmp_path, "compiled", torch_compile=True))
     compiled_calls = len(seen)
     sft.run(_sft_config(tmp_path, "default"))

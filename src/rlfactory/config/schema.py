@@ -202,6 +202,7 @@ class RunConfig(Section):
                 "kto estimates its KL reference point within a micro-batch: set train.per_device_batch_size >= 2"
             )
         self._distributed_rules()
+        self._cuda_graph_rules()
         self._peft_rules()
         self._ignored_settings()
         if self.dpo is not None and self.dpo.ref_model and self.dpo.loss_type in ("simpo",):
@@ -278,6 +279,33 @@ class RunConfig(Section):
                 f"stage {self.stage} with a frozen reference copy ({self.model.finetuning} fine-tuning"
                 f"{', dpo.ref_model' if self.dpo is not None and self.dpo.ref_model else ''}) under a sharded "
                 f"strategy: every process would hold the whole copy; {fix}, or use distributed.strategy ddp/zero2"
+            )
+
+    def _cuda_graph_rules(self) -> None:
+        """train.cuda_graphs replays the layers train.torch_compile compiled, each whole on every process, on batch
+        shapes that repeat (an offline stage's)."""
+        if not self.train.cuda_graphs:
+            return
+        if not self.train.torch_compile:
+            raise ValueError(
+                "train.cuda_graphs replays the compiled layers as CUDA graphs: set train.torch_compile: true as well, "
+                "or remove train.cuda_graphs"
+            )
+        if self.rollout is not None:
+            raise ValueError(
+                f"train.cuda_graphs is for the offline stages (sft, pt, rm, dpo, kto, orpo): stage {self.stage}'s "
+                "update sees batches of new widths at every step, and each would record new graphs; remove it"
+            )
+        if self.model.gradient_checkpointing:
+            raise ValueError(
+                "train.cuda_graphs with model.gradient_checkpointing is not supported (the layers' forward would run "
+                "again inside the backward); remove one of them"
+            )
+        if self.train.deepspeed or self.distributed.strategy != "ddp":
+            used = "train.deepspeed" if self.train.deepspeed else f"distributed.strategy {self.distributed.strategy}"
+            raise ValueError(
+                f"train.cuda_graphs runs under distributed.strategy ddp only, not {used} (DeepSpeed and FSDP2 "
+                "gather, reduce and free weights around each layer, outside a captured graph); remove one of them"
             )
 
     def _peft_rules(self) -> None:

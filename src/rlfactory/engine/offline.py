@@ -208,7 +208,13 @@ def _setup(cfg: RunConfig, model: Any, parts: StageParts) -> _Setup:
     optimizer = make_optimizer(model, cfg.train.learning_rate, cfg.train)
     scheduler = make_scheduler(optimizer, cfg.train, total_steps)
     model, optimizer, loader, scheduler = prepare_model(
-        accelerator, model, optimizer, loader, scheduler, torch_compile=cfg.train.torch_compile
+        accelerator,
+        model,
+        optimizer,
+        loader,
+        scheduler,
+        torch_compile=cfg.train.torch_compile,
+        cuda_graphs=cfg.train.cuda_graphs,
     )
     accelerator.register_save_state_pre_hook(keep_trainable_weights)
     init_trackers(accelerator, cfg)
@@ -225,6 +231,13 @@ def _train_window(
     units = sum(torch.as_tensor(parts.count_fn(b), dtype=torch.float32, device=acc.device) for b in window)
     units = acc.reduce(units, "sum").clamp(min=1.0)
     window_loss, tokens, grad_norm, total_loss = torch.zeros((), device=acc.device), 0, None, None
+    if cfg.train.cuda_graphs:
+        # A new generation of CUDA graph trees per optimizer step, not per micro-batch: the first micro-batch's
+        # backward leaves the accumulated gradients in the graphs' memory pool, and a new generation started before
+        # the next micro-batch lets its replay overwrite them ("accessing tensor output of CUDAGraphs that has been
+        # overwritten"; on an H200 marking per micro-batch or not at all failed with accumulation, per window
+        # matched the compiled run's losses exactly: bench/cudagraph_probe.py, docs/BENCHMARKS.md).
+        torch.compiler.cudagraph_mark_step_begin()
     for batch in window:
         with acc.accumulate(s.model):
             with autocast_forward(acc, s.model):

@@ -222,19 +222,22 @@ def make_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig, total_u
     )
 
 
-def prepare_model(accelerator: Accelerator, model: Any, *others: Any, torch_compile: bool = False) -> tuple:
+def prepare_model(
+    accelerator: Accelerator, model: Any, *others: Any, torch_compile: bool = False, cuda_graphs: bool = False
+) -> tuple:
     """``accelerator.prepare`` the model (and optimizer, scheduler, loaders), then undo what we do ourselves.
 
     Accelerate's bf16 wrapper copies every output to fp32 -- with a 150k vocabulary that is a 5 GB logits tensor
     per micro-batch -- so it is removed and the loops autocast the forwards (``autocast_forward``). With
     ``torch_compile`` the layers are compiled first, in place (``nn.Module.compile``): parameter names, PEFT's
-    adapter switch and the weight sync are unchanged.
+    adapter switch and the weight sync are unchanged. ``cuda_graphs`` (``train.cuda_graphs``) compiles them in
+    torch.compile's reduce-overhead mode: each layer's forward and backward replay as CUDA graphs (a no-op on CPU).
     """
     import logging
 
     if torch_compile:
-        compiled = compile_layers(model)
-        logging.getLogger(__name__).info("torch.compile: %d layers", compiled)
+        compiled = compile_layers(model, mode="reduce-overhead" if cuda_graphs else None)
+        logging.getLogger(__name__).info("torch.compile: %d layers%s", compiled, " (CUDA graphs)" * cuda_graphs)
         if compiled > 1:
             keep_layer_graphs_whole()
     prepared = accelerator.prepare(model, *others)
@@ -249,17 +252,19 @@ def prepare_model(accelerator: Accelerator, model: Any, *others: Any, torch_comp
     return prepared
 
 
-def compile_layers(model: Any) -> int:
+def compile_layers(model: Any, mode: str | None = None) -> int:
     """``torch.compile`` every block of the model's repeated layer stacks (a ``ModuleList`` named ``layers``).
 
     Per layer rather than the whole model, as torchtune does: one graph serves all layers, compile time stays
     short, and the parts around the stack (mask building, the chunked LM head, PEFT's adapter switch) stay
-    eager. Models without such a stack are compiled whole. Returns how many modules were compiled.
+    eager. Models without such a stack are compiled whole. ``mode``: torch.compile's (``reduce-overhead``: CUDA
+    graphs; the layers share one compiled function, and CUDA graph trees record each layer's call once per batch
+    shape, as its weights sit at other addresses). Returns how many modules were compiled.
     """
     stacks = [m for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and name.endswith("layers")]
     blocks = [block for stack in stacks for block in stack]
     for block in blocks or [model]:
-        block.compile()
+        block.compile(mode=mode)
     return len(blocks) or 1
 
 
