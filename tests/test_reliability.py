@@ -53,7 +53,7 @@ def model_files(out: Path) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------- user code in a run
-REWARDS = '''
+REWARDS = """
 import math, random, sys, time
 def flaky(prompt, completion, answer, example):
     if len(completion) % 2:
@@ -69,7 +69,7 @@ def leave(prompt, completion, answer, example):
     sys.exit(4)
 def always(prompt, completion, answer, example):
     raise KeyError("no such column")
-'''
+"""
 
 
 def test_a_run_with_raising_hanging_nan_and_exiting_rewards_finishes_and_logs_each(tmp_path: Path):
@@ -143,6 +143,95 @@ def test_skipping_non_finite_steps_logs_them_then_stops(tmp_path: Path):
               if "health" in r]  # fmt: skip
     assert alerts == [(2, "non_finite", "warn", "skipped_steps"), (4, "non_finite", "stop", "loss")]
     assert "health: non_finite at step 2: 1 update(s) skipped" in result.stderr
+
+
+def _fused_adamw(model, lr, train):
+    """The engine's AdamW (its groups and settings) as torch's fused kernel, as on CUDA, here on the CPU."""
+    import torch
+
+    from rlfactory.engine import shared
+
+    groups = [
+        {**group, "fused": True, "foreach": None} for group in shared.make_optimizer(model, lr, train).param_groups
+    ]
+    return torch.optim.AdamW(groups, lr=lr, fused=True)
+
+
+def test_the_fused_optimizer_skips_non_finite_updates_itself_and_the_run_ends_alike(tmp_path: Path, monkeypatch):
+    """Under a fused AdamW (CUDA's) a non-finite update is skipped by the optimizer on the device and the host counts
+    it a step later (NonFiniteGuard.step_on_device, settle): the same log lines, skips, alerts and stop as the
+    host check's run of the test above, and the same losses (CPU, fused AdamW against the foreach one)."""
+    import math
+
+    from rlfactory.config.loader import validate_config
+    from rlfactory.engine import offline
+    from rlfactory.engine.shared import NonFiniteGuard
+    from rlfactory.errors import RunStopped
+    from rlfactory.stages import sft as sft_stage
+
+    on_device = []
+    step_on_device = NonFiniteGuard.step_on_device
+    monkeypatch.setattr(
+        NonFiniteGuard,
+        "step_on_device",
+        lambda self, step, *a: (on_device.append(step), step_on_device(self, step, *a)),
+    )
+    runs = {}
+    for fused in (False, True):
+        cfg = sft(tmp_path, learning_rate=1e30, max_steps=8, skip_nonfinite_steps=2)
+        cfg["output_dir"] = str(tmp_path / f"fused{fused}")
+        with monkeypatch.context() as patch:
+            if fused:
+                patch.setattr(offline, "make_optimizer", _fused_adamw)
+            with pytest.raises(RunStopped) as stop:
+                sft_stage.run(validate_config(cfg, "test"))
+        runs[fused] = str(stop.value), read_log(tmp_path / f"fused{fused}")
+    # only the fused run's steps, each decided on the device; its host learns of step 4's third skip in a row once
+    # step 5 is queued (that step's update may apply: the run stops without saving either way)
+    assert on_device == [1, 2, 3, 4, 5]
+    (host_stop, host_log), (device_stop, device_log) = runs[False], runs[True]
+    assert "training diverged at step 4" in host_stop and device_stop == host_stop
+    drop = ("elapsed_s", "eta_s", "tokens_per_s", "loss", "grad_norm", "lr")
+    assert [{k: v for k, v in r.items() if k not in drop} for r in device_log] == [
+        {k: v for k, v in r.items() if k not in drop} for r in host_log
+    ]
+    for fused_record, host_record in zip(device_log, host_log, strict=True):
+        for key in ("loss", "grad_norm"):
+            if key in host_record:
+                a, b = fused_record[key], host_record[key]
+                assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-5), (key, a, b)
+
+
+def test_a_fused_optimizer_run_writes_its_lines_a_step_late_with_the_same_values(tmp_path: Path, monkeypatch):
+    """Under a fused AdamW the loop writes each step's line once the next step is queued (the host reads the values
+    without waiting for the GPU): the same lines in the same order, evaluations and a checkpoint between them, as the
+    run that writes each line at once; losses equal within the two AdamW kernels' rounding."""
+    import math
+
+    from rlfactory.config.loader import validate_config
+    from rlfactory.engine import offline
+    from rlfactory.stages import sft as sft_stage
+
+    logs = {}
+    for fused in (False, True):
+        cfg = sft(tmp_path, max_steps=5, eval_steps=2, save_steps=3)
+        cfg["data"]["eval_split"] = 0.2
+        cfg["output_dir"] = str(tmp_path / f"fused{fused}")
+        with monkeypatch.context() as patch:
+            if fused:
+                patch.setattr(offline, "make_optimizer", _fused_adamw)
+            sft_stage.run(validate_config(cfg, "test"))
+        logs[fused] = read_log(tmp_path / f"fused{fused}")
+        assert list_checkpoints(tmp_path / f"fused{fused}")[-1].name.endswith("3")
+    host, device = logs[False], logs[True]
+    times = ("elapsed_s", "eta_s", "tokens_per_s")
+    assert [sorted(set(r) - set(times)) for r in device] == [sorted(set(r) - set(times)) for r in host]
+    assert [(r["step"], "eval_loss" in r) for r in device] == [(0, True), (1, False), (2, False), (2, True),
+                                                                (3, False), (4, False), (4, True), (5, False),
+                                                                (5, True)]  # fmt: skip
+    for d, h in zip(device, host, strict=True):
+        for key in set(h) - set(times):
+            assert not isinstance(h[key], float) or math.isclose(d[key], h[key], rel_tol=1e-4), (key, d, h)
 
 
 def test_an_infinite_learning_rate_never_saves_a_nan_model(tmp_path: Path):
@@ -297,7 +386,7 @@ def test_sigterm_sigint_and_sigkill_in_a_step_or_a_checkpoint_write_resume_to_th
     tmp_path: Path, stage: str
 ):
     # no periodic checkpoint but every step's (save_steps 1) for the checkpoint-write kill; 8 steps, 1 per log line
-    cfg = (sft(tmp_path, max_steps=8) if stage == "sft" else grpo(tmp_path, max_steps=8))
+    cfg = sft(tmp_path, max_steps=8) if stage == "sft" else grpo(tmp_path, max_steps=8)
     cfg["train"].update(save_steps=1, save_total_limit=2)
     path = write_yaml(tmp_path / "run.yaml", cfg)
     reference = run_cli("train", str(path), f"output_dir={tmp_path / 'ref'}")

@@ -12,6 +12,7 @@ gradient as batch 8 x accumulation 1.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -27,6 +28,7 @@ from rlfactory.config.schema import RunConfig
 from rlfactory.engine import run_dir
 from rlfactory.engine.health import HealthMonitor, stopped
 from rlfactory.engine.shared import (
+    HostCopy,
     NonFiniteGuard,
     StopSignals,
     autocast_forward,
@@ -34,6 +36,7 @@ from rlfactory.engine.shared import (
     build_accelerator,
     check_finite_weights,
     clip_grad_norm,
+    device_scalar,
     end_run,
     init_trackers,
     keep_trainable_weights,
@@ -100,19 +103,31 @@ class _Meter:
             self.sums[key] = self.sums[key] + value * weight
             self.counts[key] = self.counts[key] + weight
 
-    def pop(self, accelerator: Any = None) -> dict[str, float]:
-        """Means since the last pop; with an ``accelerator`` of several processes, over all of them (every process
-        must call it at the same point: the sums and weights are reduced in one collective)."""
-        keys = sorted(self.sums)
-        sums, counts = [float(self.sums[k]) for k in keys], [float(self.counts[k]) for k in keys]
+    def take(self, accelerator: Any = None) -> tuple[list[str], torch.Tensor]:
+        """The metric names and one float64 tensor on the accelerator's device, ``[sums..., weights...]`` since the
+        last take, summed over the processes (one collective; every process must call it at the same point). Does
+        not wait for the GPU: read the values with ``means`` (through a ``HostCopy`` to read them later)."""
+        keys, device = sorted(self.sums), accelerator.device if accelerator is not None else "cpu"
+        values = [device_scalar(self.sums[k], device, torch.float64) for k in keys]
+        values += [device_scalar(self.counts[k], device, torch.float64) for k in keys]
+        stacked = torch.stack(values) if values else torch.zeros(0, dtype=torch.float64, device=device)
         if accelerator is not None and accelerator.num_processes > 1 and keys:
-            local = [torch.as_tensor(v, dtype=torch.float32, device=accelerator.device) for v in (*sums, *counts)]
-            merged = accelerator.reduce(torch.stack(local), "sum").tolist()
-            sums, counts = merged[: len(keys)], merged[len(keys) :]
+            stacked = accelerator.reduce(stacked, "sum")
         self.sums.clear()
         self.counts.clear()
+        return keys, stacked
+
+    @staticmethod
+    def means(keys: list[str], values: list[float]) -> dict[str, float]:
+        """Each metric's mean from ``take``'s values (those past ``2 * len(keys)`` are ignored)."""
+        sums, counts = values[: len(keys)], values[len(keys) : 2 * len(keys)]
         # a NaN stays in the log (a diverged value must show), only a metric without any weight is left out
         return {k: total / count for k, total, count in zip(keys, sums, counts, strict=True) if count}
+
+    def pop(self, accelerator: Any = None) -> dict[str, float]:
+        """Means since the last pop, over all processes (waits for the GPU: for evaluation's end)."""
+        keys, stacked = self.take(accelerator)
+        return self.means(keys, stacked.tolist())
 
 
 def eval_shard(examples: list[Any], batch_size: int, rank: int, world: int) -> list[tuple[list[Any], float]]:
@@ -228,7 +243,8 @@ def _train_window(
     """One optimizer step over an accumulation window (skipped or stopped when its loss or gradient is not
     finite: ``guard``); returns the tokens it processed."""
     acc = s.accelerator
-    units = sum(torch.as_tensor(parts.count_fn(b), dtype=torch.float32, device=acc.device) for b in window)
+    # summed as returned (numbers on the host, tensors on the device) and made a tensor without a host sync
+    units = device_scalar(sum(parts.count_fn(b) for b in window), acc.device)
     units = acc.reduce(units, "sum").clamp(min=1.0)
     window_loss, tokens, grad_norm, total_loss = torch.zeros((), device=acc.device), 0, None, None
     if cfg.train.cuda_graphs:
@@ -252,7 +268,9 @@ def _train_window(
             if acc.sync_gradients:
                 grad_norm = clip_grad_norm(acc, s.model, cfg.train.max_grad_norm)
                 total_loss = acc.reduce(window_loss, "sum")
-                if guard.ok(step, total_loss, grad_norm):
+                if guard.on_device(s.optimizer):  # the fused optimizer skips a non-finite update itself
+                    guard.step_on_device(step, s.optimizer, total_loss, grad_norm)
+                elif guard.ok(step, total_loss, grad_norm):
                     s.optimizer.step()
                 s.scheduler.step()
                 s.optimizer.zero_grad()
@@ -317,36 +335,47 @@ def _loop(
     acc, out, accum = s.accelerator, Path(cfg.output_dir), cfg.train.grad_accum_steps
     global_batch = cfg.train.per_device_batch_size * accum * acc.num_processes
     meter, eval_metrics, last_metrics, saved = _Meter(), {}, {}, -1
+    pending: _PendingLog | None = None  # the last logged step's line, written once the next step is queued
+    # only where the optimizer skips a non-finite update itself: elsewhere the guard reads each step's values on the
+    # host anyway (and its stop must follow the last step's line in the log)
+    lagging = guard.on_device(s.optimizer)
     while step < s.total_steps:
         s.loader.set_epoch(epoch)
         iterator = iter(acc.skip_first_batches(s.loader, skip_batches) if skip_batches else s.loader)
         skip_batches = 0
         while step < s.total_steps and step - epoch * s.steps_per_epoch < s.steps_per_epoch:
             window = [next(iterator) for _ in range(accum)]
-            clock.tokens += _train_window(s, cfg, parts, window, meter, guard, step + 1)
+            try:
+                clock.tokens += _train_window(s, cfg, parts, window, meter, guard, step + 1)
+            except BaseException:
+                if pending is not None:  # the last logged step's line is kept, whatever stops the run in this one
+                    with contextlib.suppress(Exception):
+                        _write_log(s, out, pending, guard, bar)
+                raise
             step += 1
             bar.update(1)
+            # One step behind, the host reads what the GPU made: the earlier steps' non-finite checks and the last
+            # logged step's line. Reading right after a step would leave the GPU idle while the host launches the
+            # next one; now this step's work is queued behind those values.
+            guard.settle(before=step)
+            if pending is not None:
+                last_metrics, pending = _write_log(s, out, pending, guard, bar), None
             if step % cfg.logging.logging_steps == 0 or step == s.total_steps:
-                last_metrics = meter.pop(acc)
-                record = {
-                    "step": step,
-                    "epoch": round(step / s.steps_per_epoch, 4),
-                    **last_metrics,
-                    **guard.pop_skipped(),
-                    "lr": s.scheduler.get_last_lr()[0],
-                    **clock.lap(step, s.total_steps, acc.num_processes),
-                    **_peak_memory(acc),
-                }
-                _log(s, out, record)
-                bar.set_postfix(loss=f"{last_metrics.get('loss', float('nan')):.4f}")
-            if s.eval_shard is not None and cfg.train.eval_steps and step % cfg.train.eval_steps == 0:
+                pending = _queue_log(s, meter, clock, step)
+            eval_due = s.eval_shard is not None and cfg.train.eval_steps and step % cfg.train.eval_steps == 0
+            save_due = cfg.train.save_steps and step % cfg.train.save_steps == 0 and step < s.total_steps
+            signum = stop.requested(acc)
+            if not lagging or step == s.total_steps or eval_due or save_due or signum or s.health.stop is not None:
+                guard.settle()  # what follows acts on this step's values: read them now
+                if pending is not None:
+                    last_metrics, pending = _write_log(s, out, pending, guard, bar), None
+            if eval_due:
                 eval_metrics = evaluate(acc, s.model, s.eval_shard, parts)
                 _log(s, out, {"step": step, **eval_metrics})
             state = {"epoch": epoch, "global_batch": global_batch, "num_processes": acc.num_processes}
-            if cfg.train.save_steps and step % cfg.train.save_steps == 0 and step < s.total_steps:
+            if save_due:
                 save_checkpoint(acc, out, step, state, cfg.train.save_total_limit)
                 saved = step
-            signum = stop.requested(acc)
             if (signum or s.health.stop is not None) and step < s.total_steps:
                 path = out / f"{run_dir.CHECKPOINT_PREFIX}{step}"
                 if saved != step:
@@ -372,26 +401,66 @@ def _check_global_batch(state: dict[str, Any], global_batch: int, path: Path) ->
         )
 
 
-def _peak_memory(accelerator: Any) -> dict[str, float]:
-    """On GPUs, the fullest process's peak of torch's allocated memory so far (GiB): what ``rlfactory plan``
-    estimates, read where the run happens (the allocator's cache and the CUDA context come on top)."""
-    if not torch.cuda.is_available():
-        return {}
-    peak = torch.tensor([peak_memory_gb()], device=accelerator.device)
-    return {"max_memory_gb": round(float(accelerator.gather(peak).max()), 3)}
+@dataclass
+class _PendingLog:
+    """A logged step's line whose values are still on their way from the GPU."""
+
+    record: dict[str, Any]  # what the host knew when the step was queued: step, epoch, lr
+    times: dict[str, float]  # seconds since the last line, elapsed, ETA
+    keys: list[str]  # the metrics in ``values``
+    values: HostCopy  # [metric sums..., weights..., this process's tokens, the fullest process's peak memory]
+
+
+def _queue_log(s: _Setup, meter: _Meter, clock: _Clock, step: int) -> _PendingLog:
+    """The step's log line, its values copied to the host behind the work that makes them (``HostCopy``)."""
+    acc = s.accelerator
+    keys, stacked = meter.take(acc)
+    # on GPUs, the fullest process's peak of torch's allocated memory so far (GiB): what ``rlfactory plan``
+    # estimates, read where the run happens (the allocator's cache and the CUDA context come on top)
+    peak = device_scalar(peak_memory_gb() if torch.cuda.is_available() else 0.0, acc.device, torch.float64)
+    if acc.num_processes > 1 and torch.cuda.is_available():
+        peak = acc.reduce(peak, "max")
+    tokens = device_scalar(clock.tokens, acc.device, torch.float64)
+    record = {"step": step, "epoch": round(step / s.steps_per_epoch, 4)}
+    times = clock.lap(step, s.total_steps)
+    values = HostCopy(torch.cat([stacked, tokens.reshape(1), peak.reshape(1)]))
+    return _PendingLog({**record, "lr": s.scheduler.get_last_lr()[0]}, times, keys, values)
+
+
+def _write_log(s: _Setup, out: Path, pending: _PendingLog, guard: NonFiniteGuard, bar: Any) -> dict[str, float]:
+    """Writes a queued line (waiting for its values only); returns its metrics."""
+    values = pending.values.values()
+    metrics = _Meter.means(pending.keys, values)
+    tokens, peak = values[-2], values[-1]
+    seconds = pending.times.pop("seconds")
+    record = {
+        "step": pending.record["step"],
+        "epoch": pending.record["epoch"],
+        **metrics,
+        **guard.pop_skipped(upto=pending.record["step"]),
+        "lr": pending.record["lr"],
+        "tokens_per_s": tokens * s.accelerator.num_processes / max(seconds, 1e-9),
+        **pending.times,
+        **({"max_memory_gb": round(peak, 3)} if torch.cuda.is_available() else {}),
+    }
+    _log(s, out, record)
+    bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.4f}")
+    return metrics
 
 
 class _Clock:
-    """Throughput since the last log line, elapsed time and ETA."""
+    """Tokens and time since the last log line, elapsed time and ETA."""
 
     def __init__(self, start_step: int) -> None:
-        self.start, self.last, self.start_step, self.tokens = time.time(), time.time(), start_step, 0
+        self.start, self.last, self.start_step = time.time(), time.time(), start_step
+        self.tokens: Any = 0  # this process's, since the last lap: a number or a device tensor
 
-    def lap(self, step: int, total_steps: int, num_processes: int) -> dict[str, float]:
+    def lap(self, step: int, total_steps: int) -> dict[str, float]:
+        """The seconds since the last lap, the elapsed time and the ETA; restarts the token count."""
         now = time.time()
         elapsed = now - self.start
         out = {
-            "tokens_per_s": float(self.tokens) * num_processes / max(now - self.last, 1e-9),
+            "seconds": now - self.last,
             "elapsed_s": round(elapsed, 4),
             "eta_s": round(elapsed / max(step - self.start_step, 1) * (total_steps - step), 2),
         }

@@ -417,10 +417,50 @@ def check_finite_weights(accelerator: Accelerator, models: list[Any], what: str,
         )
 
 
+class HostCopy:
+    """A small device tensor's values on the host, read later without waiting for the GPU's newer work.
+
+    Why: ``.item()`` / ``.tolist()`` waits for everything queued before it, so reading a step's loss right after the
+    step leaves the GPU idle while the host launches the next step. Here the copy is queued behind the work that makes
+    the values (into pinned memory, with an event), and ``values()`` waits for that event only: read a step later,
+    it has long finished. On the CPU it is a plain copy."""
+
+    def __init__(self, values: torch.Tensor):
+        values = values.detach()
+        self.done: Any = None
+        if values.device.type == "cuda":
+            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.host.copy_(values, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host = values.clone()
+
+    def values(self) -> list[float]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.reshape(-1).tolist()
+
+
+def device_scalar(value: Any, device: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A 0-d tensor on ``device`` from a number or a tensor, without a host sync: ``torch.as_tensor(2.0,
+    device="cuda")`` copies from pageable host memory and waits for the GPU's queue; ``torch.full`` launches a
+    fill kernel with the value as its argument."""
+    if torch.is_tensor(value):
+        return value.to(device=device, dtype=dtype).reshape(())
+    return torch.full((), float(value), dtype=dtype, device=device)
+
+
 class NonFiniteGuard:
     """A non-finite loss or gradient norm: stop with a message, or (``train.skip_nonfinite_steps`` > 0) skip that
     update, stopping after that many skipped in a row. Decided on values that every process shares (the reduced
-    loss, the global gradient norm), so every process decides alike. One host sync per optimizer step."""
+    loss, the global gradient norm), so every process decides alike.
+
+    Two ways: ``ok`` reads the values on the host (one host sync per optimizer step) and says whether to step;
+    ``step_on_device`` (torch's fused Adam/AdamW: ``on_device``) lets the optimizer skip the update itself, as it
+    does under a grad scaler (its ``found_inf``), and ``settle`` counts and reports those steps later, from copies
+    that no longer make the host wait (``HostCopy``). The outcome is the same: a skipped update is never applied, and
+    a run past the allowed skips stops without saving, naming the step; it stops one step later on the host."""
 
     def __init__(self, train: TrainConfig, accelerator: Accelerator, out: Path):
         self.allowed, self.lr, self.out = train.skip_nonfinite_steps, train.learning_rate, out
@@ -428,21 +468,50 @@ class NonFiniteGuard:
         # under fp16 the grad scaler skips overflowing steps itself (an inf gradient norm is expected there)
         self.scaled = getattr(accelerator, "scaler", None) is not None
         self.in_a_row = 0
-        self.skipped = 0  # since the last log line
+        self.skipped: list[int] = []  # the steps skipped since the last log line
+        self.pending: list[tuple[int, HostCopy]] = []  # steps checked on the device, not yet counted
+
+    def _values(self, loss: Any, grad_norm: Any) -> torch.Tensor:
+        values = [torch.as_tensor(loss, dtype=torch.float32).reshape(())]
+        if grad_norm is not None and not self.scaled:
+            values.append(torch.as_tensor(grad_norm, dtype=torch.float32, device=values[0].device).reshape(()))
+        return torch.stack(values)
+
+    def on_device(self, optimizer: Any) -> bool:
+        """Whether ``optimizer`` (Accelerate's wrapper or torch's) can skip an update on the device."""
+        inner = getattr(optimizer, "optimizer", optimizer)
+        return not self.scaled and isinstance(inner, torch.optim.Adam) and bool(inner.defaults.get("fused"))
+
+    def step_on_device(self, step: int, optimizer: Any, loss: Any, grad_norm: Any) -> None:
+        """``optimizer.step()``, which leaves parameters and state as they were when a value is not finite."""
+        values = self._values(loss, grad_norm)
+        inner = getattr(optimizer, "optimizer", optimizer)
+        inner.found_inf = (~torch.isfinite(values).all()).float()
+        try:
+            optimizer.step()
+        finally:
+            del inner.found_inf
+        self.pending.append((step, HostCopy(values)))
+
+    def settle(self, before: int | None = None) -> None:
+        """Count and report the steps checked on the device (those before step ``before``; None: all), in order;
+        raises RunStopped as ``ok`` does."""
+        while self.pending and (before is None or self.pending[0][0] < before):
+            step, copy = self.pending.pop(0)
+            self._decide(step, copy.values())
 
     def ok(self, step: int, loss: Any, grad_norm: Any) -> bool:
         """True: apply this update. False: skip it. Raises RunStopped past the allowed skips."""
         if loss is None:
             return True
-        values = [torch.as_tensor(loss, dtype=torch.float32).reshape(())]
-        if grad_norm is not None and not self.scaled:
-            values.append(torch.as_tensor(grad_norm, dtype=torch.float32, device=values[0].device).reshape(()))
-        values_host = torch.stack(values).tolist()
+        return self._decide(step, self._values(loss, grad_norm).tolist())
+
+    def _decide(self, step: int, values_host: list[float]) -> bool:
         if all(math.isfinite(v) for v in values_host):
             self.in_a_row = 0
             return True
         self.in_a_row += 1
-        self.skipped += 1
+        self.skipped.append(step)
         found = f"loss {values_host[0]}" + (f", gradient norm {values_host[1]}" if len(values_host) > 1 else "")
         if self.in_a_row > self.allowed:
             from rlfactory.engine import health
@@ -463,11 +532,12 @@ class NonFiniteGuard:
         )  # fmt: skip
         return False
 
-    def pop_skipped(self) -> dict[str, float]:
-        """``skipped_steps`` since the last log line (only when some were skipped)."""
-        out = {"skipped_steps": float(self.skipped)} if self.skipped else {}
-        self.skipped = 0
-        return out
+    def pop_skipped(self, upto: int | None = None) -> dict[str, float]:
+        """``skipped_steps`` since the last log line, up to step ``upto`` (None: all; only when some were skipped):
+        a line written a step late does not count the later step's skip."""
+        counted = [step for step in self.skipped if upto is None or step <= upto]
+        self.skipped = [step for step in self.skipped if step not in counted]
+        return {"skipped_steps": float(len(counted))} if counted else {}
 
 
 class StopSignals:
