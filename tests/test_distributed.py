@@ -192,6 +192,18 @@ def test_sigterm_stops_both_processes_at_one_step_with_a_checkpoint_and_resumes(
 
 
 @pytest.mark.slow
+def test_a_stop_signal_on_one_process_reaches_every_process_at_once_or_a_step_late():
+    """The stop flag is reduced on the device: every process answers alike, at the call after the signal or, read
+    without waiting for the GPU (the offline loop under a fused optimizer), one call later."""
+    result = _torchrun("--standalone", "--nproc_per_node", "2", "tests/distributed_stop_flag.py", timeout=300)
+    assert result.returncode == 0, failure_output(result.stderr)
+    answers = [json.loads(line[8:]) for line in result.stdout.splitlines() if line.startswith("ANSWERS ")]
+    term = int(signal.SIGTERM)
+    assert sorted(a["rank"] for a in answers) == [0, 1]
+    for a in answers:
+        assert a["False"] == [0, 0, term, term, term] and a["True"] == [0, 0, 0, term, term], a
+
+
 def test_killed_two_process_run_resumes(sft_reference: Path, tmp_path: Path):
     """kill -9 of a 2-process run (its whole process group) after a checkpoint; `resume_from_checkpoint: auto` on 2
     processes ends with the losses of the uninterrupted run, and so does a resume on 1 process with the same global

@@ -364,7 +364,7 @@ def _loop(
                 pending = _queue_log(s, meter, clock, step)
             eval_due = s.eval_shard is not None and cfg.train.eval_steps and step % cfg.train.eval_steps == 0
             save_due = cfg.train.save_steps and step % cfg.train.save_steps == 0 and step < s.total_steps
-            signum = stop.requested(acc)
+            signum = stop.requested(acc, a_step_late=lagging)
             if not lagging or step == s.total_steps or eval_due or save_due or signum or s.health.stop is not None:
                 guard.settle()  # what follows acts on this step's values: read them now
                 if pending is not None:

@@ -553,6 +553,7 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.signum, self.when = 0, 0.0
+        self._reduced: HostCopy | None = None  # the last reduction of the flag, for ``requested(a_step_late=True)``
         self._previous: dict[int, Any] = {}
         self._previous_mask: set[signal.Signals] | None = None
 
@@ -588,12 +589,17 @@ class StopSignals:
             signal.pthread_sigmask(signal.SIG_SETMASK, self._previous_mask)
             self._previous_mask = None
 
-    def requested(self, accelerator: Accelerator) -> int:
-        """The signal to stop for (0: none), the same on every process."""
+    def requested(self, accelerator: Accelerator, a_step_late: bool = False) -> int:
+        """The signal to stop for (0: none), the same on every process. On several processes the flag is reduced
+        on the device; ``a_step_late``: the answer is the previous call's reduction, read without waiting for the
+        GPU's newer work (``HostCopy``), so a signal stops the run one step later."""
         if accelerator.num_processes == 1:
             return self.signum
-        flag = torch.tensor(float(self.signum), device=accelerator.device)
-        return int(accelerator.reduce(flag, "max"))
+        flag = accelerator.reduce(device_scalar(float(self.signum), accelerator.device), "max")
+        if not a_step_late:
+            return int(flag)
+        earlier, self._reduced = self._reduced, HostCopy(flag)
+        return int(earlier.values()[0]) if earlier is not None else 0
 
     @staticmethod
     def stopped(signum: int, step: int, checkpoint: Path) -> RunStopped:
