@@ -94,8 +94,8 @@ class TrainConfig(Section):
         description="Offline stages, with train.torch_compile on CUDA: replay each compiled layer as a CUDA graph "
         "(torch.compile's reduce-overhead mode), so the host's kernel launches stop setting the pace of a step: "
         "SFT LoRA 1.44x faster on an H200, 1.59x TRL at its fastest (docs/BENCHMARKS.md). Each new batch shape "
-        "records its graphs once "
-        "(data.packing keeps one shape). Not with gradient checkpointing, DeepSpeed or FSDP2.",
+        "records its graphs once (data.packing keeps one shape). Not with gradient checkpointing, DeepSpeed or "
+        "FSDP2. Checked against the compiled run's losses on one GPU; under DDP not yet on GPUs.",
     )
     eval_steps: int | None = Field(None, ge=1, description="Evaluate every N steps (and always at the end).")
     save_steps: int | None = Field(None, ge=1, description="Save a resumable checkpoint every N steps.")
