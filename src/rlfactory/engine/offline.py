@@ -27,8 +27,8 @@ import torch
 from rlfactory.config.schema import RunConfig
 from rlfactory.engine import run_dir
 from rlfactory.engine.health import HealthMonitor, stopped
+from rlfactory.engine.host_reads import HostCopy, device_scalar
 from rlfactory.engine.shared import (
-    HostCopy,
     NonFiniteGuard,
     StopSignals,
     autocast_forward,
@@ -36,7 +36,6 @@ from rlfactory.engine.shared import (
     build_accelerator,
     check_finite_weights,
     clip_grad_norm,
-    device_scalar,
     end_run,
     init_trackers,
     keep_trainable_weights,
