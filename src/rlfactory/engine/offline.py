@@ -338,6 +338,12 @@ def _loop(
     # only where the optimizer skips a non-finite update itself: elsewhere the guard reads each step's values on the
     # host anyway (and its stop must follow the last step's line in the log)
     lagging = guard.on_device(s.optimizer)
+
+    def write_pending() -> None:
+        nonlocal pending, last_metrics
+        if pending is not None:
+            last_metrics, pending = _write_log(s, out, pending, guard, bar), None
+
     while step < s.total_steps:
         s.loader.set_epoch(epoch)
         iterator = iter(acc.skip_first_batches(s.loader, skip_batches) if skip_batches else s.loader)
@@ -347,9 +353,8 @@ def _loop(
             try:
                 clock.tokens += _train_window(s, cfg, parts, window, meter, guard, step + 1)
             except BaseException:
-                if pending is not None:  # the last logged step's line is kept, whatever stops the run in this one
-                    with contextlib.suppress(Exception):
-                        _write_log(s, out, pending, guard, bar)
+                with contextlib.suppress(Exception):  # the last logged step's line is kept, whatever stops this one
+                    write_pending()
                 raise
             step += 1
             bar.update(1)
@@ -357,8 +362,7 @@ def _loop(
             # logged step's line. Reading right after a step would leave the GPU idle while the host launches the
             # next one; now this step's work is queued behind those values.
             guard.settle(before=step)
-            if pending is not None:
-                last_metrics, pending = _write_log(s, out, pending, guard, bar), None
+            write_pending()
             if step % cfg.logging.logging_steps == 0 or step == s.total_steps:
                 pending = _queue_log(s, meter, clock, step)
             eval_due = s.eval_shard is not None and cfg.train.eval_steps and step % cfg.train.eval_steps == 0
@@ -366,8 +370,7 @@ def _loop(
             signum = stop.requested(acc, a_step_late=lagging)
             if not lagging or step == s.total_steps or eval_due or save_due or signum or s.health.stop is not None:
                 guard.settle()  # what follows acts on this step's values: read them now
-                if pending is not None:
-                    last_metrics, pending = _write_log(s, out, pending, guard, bar), None
+                write_pending()
             if eval_due:
                 eval_metrics = evaluate(acc, s.model, s.eval_shard, parts)
                 _log(s, out, {"step": step, **eval_metrics})
@@ -405,7 +408,8 @@ class _PendingLog:
     """A logged step's line whose values are still on their way from the GPU."""
 
     record: dict[str, Any]  # what the host knew when the step was queued: step, epoch, lr
-    times: dict[str, float]  # seconds since the last line, elapsed, ETA
+    seconds: float  # since the last line
+    times: dict[str, float]  # elapsed, ETA
     keys: list[str]  # the metrics in ``values``
     values: HostCopy  # [metric sums..., weights..., this process's tokens, the fullest process's peak memory]
 
@@ -420,10 +424,10 @@ def _queue_log(s: _Setup, meter: _Meter, clock: _Clock, step: int) -> _PendingLo
     if acc.num_processes > 1 and torch.cuda.is_available():
         peak = acc.reduce(peak, "max")
     tokens = device_scalar(clock.tokens, acc.device, torch.float64)
-    record = {"step": step, "epoch": round(step / s.steps_per_epoch, 4)}
-    times = clock.lap(step, s.total_steps)
+    record = {"step": step, "epoch": round(step / s.steps_per_epoch, 4), "lr": s.scheduler.get_last_lr()[0]}
+    seconds, times = clock.lap(step, s.total_steps)
     values = HostCopy(torch.cat([stacked, tokens.reshape(1), peak.reshape(1)]))
-    return _PendingLog({**record, "lr": s.scheduler.get_last_lr()[0]}, times, keys, values)
+    return _PendingLog(record, seconds, times, keys, values)
 
 
 def _write_log(s: _Setup, out: Path, pending: _PendingLog, guard: NonFiniteGuard, bar: Any) -> dict[str, float]:
@@ -431,14 +435,13 @@ def _write_log(s: _Setup, out: Path, pending: _PendingLog, guard: NonFiniteGuard
     values = pending.values.values()
     metrics = _Meter.means(pending.keys, values)
     tokens, peak = values[-2], values[-1]
-    seconds = pending.times.pop("seconds")
     record = {
         "step": pending.record["step"],
         "epoch": pending.record["epoch"],
         **metrics,
         **guard.pop_skipped(upto=pending.record["step"]),
         "lr": pending.record["lr"],
-        "tokens_per_s": tokens * s.accelerator.num_processes / max(seconds, 1e-9),
+        "tokens_per_s": tokens * s.accelerator.num_processes / max(pending.seconds, 1e-9),
         **pending.times,
         **({"max_memory_gb": round(peak, 3)} if torch.cuda.is_available() else {}),
     }
@@ -454,17 +457,13 @@ class _Clock:
         self.start, self.last, self.start_step = time.time(), time.time(), start_step
         self.tokens: Any = 0  # this process's, since the last lap: a number or a device tensor
 
-    def lap(self, step: int, total_steps: int) -> dict[str, float]:
-        """The seconds since the last lap, the elapsed time and the ETA; restarts the token count."""
+    def lap(self, step: int, total_steps: int) -> tuple[float, dict[str, float]]:
+        """The seconds since the last lap, and the elapsed time and ETA to log; restarts the token count."""
         now = time.time()
         elapsed = now - self.start
-        out = {
-            "seconds": now - self.last,
-            "elapsed_s": round(elapsed, 4),
-            "eta_s": round(elapsed / max(step - self.start_step, 1) * (total_steps - step), 2),
-        }
-        self.last, self.tokens = now, 0
-        return out
+        seconds, self.last, self.tokens = now - self.last, now, 0
+        eta = elapsed / max(step - self.start_step, 1) * (total_steps - step)
+        return seconds, {"elapsed_s": round(elapsed, 4), "eta_s": round(eta, 2)}
 
 
 def _finish(
