@@ -174,7 +174,10 @@ def test_grpo_run_with_vllm(tmp_path: Path, mode: str, correction: str):
     steps = [r for r in read_log(out) if "score/mean" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     for record in steps:  # steps 2 and 3 generate after a sync of a policy moved by lr 1e-2
-        assert record["rollout/logprob_diff_mean"] < MEAN_DIFF and record["rollout/logprob_diff_max"] < MAX_DIFF
+        # The worst token's bound is 5x the engine tests': after lr 1e-2 updates the logits are larger, and float32
+        # error grows with them (a max of 1.9e-3 was seen once on a loaded 2-core machine, mean 3.9e-5). A missed or
+        # wrong sync moves every token's log-prob, which the mean bound and the correlation below catch.
+        assert record["rollout/logprob_diff_mean"] < MEAN_DIFF and record["rollout/logprob_diff_max"] < 5 * MAX_DIFF
         assert record["rollout/prob_pearson"] > 0.999 and "timing_s/sync" in record
         assert 0 < record["actor/is_weight_mean"] <= 1.0 + 1e-3
     print(mode, [(r["rollout/logprob_diff_mean"], r["rollout/logprob_diff_max"]) for r in steps])
