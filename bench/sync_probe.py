@@ -1,0 +1,93 @@
+"""Where an offline training step still makes the host wait for the GPU (issue 15): the bundled model's sft on a
+GPU, with torch's CUDA sync debug mode on from the third optimizer step, every synchronizing call counted by the
+line of our code (or the library's) that made it.
+
+    python bench/sync_probe.py                    # on a GPU host: a table of call sites and how often per step
+    python bench/sync_probe.py --stage dpo --finetuning lora
+
+Why: under the fused AdamW the loop reads its check and log values a step late (``engine/host_reads.py``), so a
+steady-state step should make no synchronizing call; any that is left shows here with its place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import tempfile
+import traceback
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stage", default="sft", choices=["sft", "dpo"])
+    parser.add_argument("--finetuning", default="full", choices=["full", "lora"])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--compile", action="store_true", help="train.torch_compile")
+    args = parser.parse_args()
+
+    import torch
+
+    from rlfactory.config.loader import validate_config
+    from rlfactory.engine import offline
+    from rlfactory.stages import dpo, sft
+
+    gpu = torch.cuda.is_available()  # without one the run goes through and counts nothing (a smoke test)
+    sites: collections.Counter[str] = collections.Counter()
+    steps_watched = 0
+    window = offline._train_window
+
+    @functools.wraps(window)
+    def watched(s, cfg, parts, batches, meter, guard, step):
+        nonlocal steps_watched
+        if step >= 3 and gpu:  # past compilation and the first log line
+            torch.cuda.set_sync_debug_mode("warn")
+            steps_watched += 1
+        return window(s, cfg, parts, batches, meter, guard, step)
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-2] if "warnings" not in f.filename]
+        ours = [f for f in frames if "/rlfactory/" in f.filename] or frames
+        sites[f"{Path(ours[-1].filename).name}:{ours[-1].lineno} ({ours[-1].name}) <- {frames[-1].name}"] += 1
+
+    offline._train_window = watched
+    warnings.showwarning = record
+    warnings.simplefilter("always")
+    with tempfile.TemporaryDirectory() as out:
+        raw = {
+            "stage": args.stage,
+            "output_dir": out,
+            "model": {"name_or_path": str(ROOT / "data" / "models" / "tiny-arith"), "finetuning": args.finetuning},
+            "data": {
+                "dataset": "arith_sft" if args.stage == "sft" else "arith_pref",
+                "dataset_dir": str(ROOT / "data"),
+                "max_samples": 400,
+                "cutoff_len": 256,
+            },
+            "train": {
+                "max_steps": args.steps,
+                "per_device_batch_size": 8,
+                "mixed_precision": "bf16" if gpu else "no",
+                "torch_compile": args.compile,
+            },
+            "logging": {"progress_bar": False, "plot_loss": False},
+        }
+        try:
+            (sft if args.stage == "sft" else dpo).run(validate_config(raw, "probe"))
+        finally:
+            if gpu:
+                torch.cuda.set_sync_debug_mode(0)
+    print(f"\n{sum(sites.values())} synchronizing calls in {steps_watched} watched steps (and the run's end)")
+    print("| calls | per step | where (our frame <- the call) |\n|---|---|---|")
+    for site, count in sites.most_common():
+        print(f"| {count} | {count / max(steps_watched, 1):.2f} | {site} |")
+
+
+if __name__ == "__main__":
+    main()
