@@ -201,7 +201,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         return code
     from rlfactory.stages.pipeline import run_config
 
-    run_config(config)
+    try:
+        run_config(config)
+    except BaseException:
+        close_process_group(finished=False)
+        raise
     close_process_group()
     return 0
 

@@ -73,16 +73,25 @@ def preflight(config: RunConfig | PipelineConfig) -> None:
         run_dir.check_output_dir(run.output_dir, run.overwrite_output_dir, resume_from)
 
 
-def close_process_group() -> None:
-    """At the end of a launched run (all stages done): leave the process group cleanly."""
+def close_process_group(finished: bool = True) -> None:
+    """At the end of a launched run: leave the process group cleanly.
+
+    ``finished`` (all stages done, on every rank): every rank reaches a barrier before any leaves, as a rank that
+    tore the group down while another was still in its last collective aborted that one. Otherwise (the run stops
+    with an error or a signal, maybe on this rank alone) a gloo group is torn down here without waiting for the
+    others: that joins gloo's worker threads before the interpreter ends. Left to the interpreter's exit, a worker
+    that releases the last collective's tensor takes the GIL during finalization and the rank aborts
+    ("terminate called without an active exception"; its native stack: ProcessGroupGloo::runLoop ->
+    TensorImpl::decref_pyobject -> PyEval_AcquireThread -> pthread_exit). An NCCL group is left to the exit:
+    destroying it could wait on a collective that a peer never joins."""
     import sys
 
     torch = sys.modules.get("torch")  # not imported: nothing was set up
     if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
-        # every rank reaches here before any leaves: a rank that tore the group down while another was still in
-        # its last collective aborted that one ("terminate called without an active exception", seen once in CI-like
-        # load on 2 CPU processes)
-        torch.distributed.barrier()
+        if finished:
+            torch.distributed.barrier()
+        elif torch.distributed.get_backend() != "gloo":
+            return
         torch.distributed.destroy_process_group()
 
 
