@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stage", default="sft", choices=["sft", "dpo"])
+    parser.add_argument("--stage", default="sft", choices=["sft", "dpo", "rm"])
     parser.add_argument("--finetuning", default="full", choices=["full", "lora"])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--compile", action="store_true", help="train.torch_compile")
@@ -34,7 +34,7 @@ def main() -> None:
 
     from rlfactory.config.loader import validate_config
     from rlfactory.engine import offline
-    from rlfactory.stages import dpo, sft
+    from rlfactory.stages import dpo, rm, sft
 
     gpu = torch.cuda.is_available()  # without one the run goes through and counts nothing (a smoke test)
     sites: collections.Counter[str] = collections.Counter()
@@ -79,7 +79,7 @@ def main() -> None:
             "logging": {"progress_bar": False, "plot_loss": False},
         }
         try:
-            (sft if args.stage == "sft" else dpo).run(validate_config(raw, "probe"))
+            {"sft": sft, "dpo": dpo, "rm": rm}[args.stage].run(validate_config(raw, "probe"))
         finally:
             if gpu:
                 torch.cuda.set_sync_debug_mode(0)

@@ -211,7 +211,13 @@ def _setup(cfg: RunConfig, model: Any, parts: StageParts) -> _Setup:
     accelerator = build_accelerator(cfg)
     set_seed(cfg.seed)
     batch_size = cfg.train.per_device_batch_size
-    loader = DataLoader(parts.train_examples, batch_size=batch_size, shuffle=cfg.data.shuffle, collate_fn=parts.collate)
+    loader = DataLoader(
+        parts.train_examples,
+        batch_size=batch_size,
+        shuffle=cfg.data.shuffle,
+        collate_fn=parts.collate,
+        pin_memory=accelerator.device.type == "cuda",  # with the Accelerator's non_blocking copies (build_accelerator)
+    )
     shard = None
     if parts.eval_examples:
         shard = eval_shard(parts.eval_examples, batch_size, accelerator.process_index, accelerator.num_processes)
