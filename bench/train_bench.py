@@ -16,8 +16,11 @@ a 1.25 GB logits budget), ``-cudagraphs`` (``train.cuda_graphs``: the compiled l
 ``-autotune`` (the per-layer compile in mode max-autotune-no-cudagraphs), ``-decoder`` (the whole decoder compiled
 as one graph), ``-mem`` (GPU memory after the forward, after the loss and at the backward's peak, per step),
 ``-ddpsplit`` (dynamo's DDP graph split left on: each compiled layer cut at the gradient buckets, as before the change),
-``-peftswitch`` (PEFT's own adapter switches, ``disable_adapter()`` and ``disable_input_dtype_casting``, which
-walk every module on each use, as before the fourteenth session), ``-static`` / ``-bigbucket`` / ``-bucketview``
+``-compiledce`` (sft's compiled head chunk instead of Liger's cross-entropy kernel, as before the nineteenth session),
+``-pageable`` (batches copied to the GPU with blocking copies, a host wait per batch tensor, as before the
+nineteenth session), ``-peftswitch`` (PEFT's own adapter switches, ``disable_adapter()`` and
+``disable_input_dtype_casting``, which walk every module on each use, as before the fourteenth session),
+``-static`` / ``-bigbucket`` / ``-bucketview``
 (DDP's static_graph, a 1 GB bucket, gradient_as_bucket_view),
 ``-masksel`` (dpo: response positions selected by a boolean mask on the GPU, a host wait per forward, instead of
 the collate's host-side row indices) and ``-indexadd`` (those rows taken with ``index_select``, whose backward
@@ -237,6 +240,12 @@ def run_ours(args, model, tokenizer, sequences, out: str) -> tuple[list[float], 
             parts.collate = _without_host_rows(parts.collate)
         elif variant == "peftswitch":  # PEFT's own adapter switches, which walk the model each time (before)
             _peft_switches()
+        elif variant == "compiledce":  # sft's compiled head chunk instead of Liger's kernel (before session 19)
+            from rlfactory.algos import common
+
+            common._LIGER_CE_FAILED.add("cuda")
+        elif variant == "pageable":  # batches copied to the GPU from pageable memory, a host wait each (before)
+            _pageable_batches()
         elif variant in DDP_LEVERS:  # DDP's own switches, through Accelerate's kwargs handler
             _ddp_kwargs.update(DDP_LEVERS[variant])
         elif variant == "indexadd":  # the head's row selection with index_select's atomic-add backward (before)
@@ -295,6 +304,20 @@ def _with_ddp_kwargs(kwargs: dict) -> None:
             super().__init__(*a, kwargs_handlers=[DistributedDataParallelKwargs(**kwargs)], **k)
 
     accelerate.Accelerator = WithDDPKwargs
+
+
+def _pageable_batches() -> None:
+    """Every Accelerator built from now on copies its loaders' batches with blocking copies (before session 19)."""
+    from rlfactory.engine import offline, shared
+
+    build = shared.build_accelerator
+
+    def blocking(cfg):
+        accelerator = build(cfg)
+        accelerator.dataloader_config.non_blocking = False
+        return accelerator
+
+    offline.build_accelerator = blocking
 
 
 def _peft_switches() -> None:

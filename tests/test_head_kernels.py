@@ -51,12 +51,12 @@ def test_liger_on_without_the_package_is_a_config_error():
 def test_linear_nll_sum_takes_its_chunk_rows_from_the_call(monkeypatch):
     """Rows per chunk: ``chunk_size``, else ``kernels.chunk_rows``, else the eager logits budget (on CPU even when
     compiled); a call with explicit rows leaves the next default call at the default."""
-    seen: list[tuple[int, bool]] = []
+    seen: list[tuple[int, str]] = []
     apply = common._LinearNLLSum.apply
 
-    def spy(hidden, weight, labels, rows, compiled):  # noqa: ANN001
-        seen.append((rows, compiled))
-        return apply(hidden, weight, labels, rows, compiled)
+    def spy(hidden, weight, labels, rows, kernel):  # noqa: ANN001
+        seen.append((rows, kernel))
+        return apply(hidden, weight, labels, rows, kernel)
 
     monkeypatch.setattr(common._LinearNLLSum, "apply", spy)
     g = torch.Generator().manual_seed(7)
@@ -65,7 +65,9 @@ def test_linear_nll_sum_takes_its_chunk_rows_from_the_call(monkeypatch):
     common.linear_nll_sum(hidden, weight, labels, kernels=HeadKernels(compiled=True, chunk_rows=2))
     common.linear_nll_sum(hidden, weight, labels)
     common.linear_nll_sum(hidden, weight, labels, chunk_size=3, kernels=HeadKernels(chunk_rows=2))
-    assert seen == [(2, False), (common._chunk_rows(11, eager=True), False), (3, False)]
+    common.linear_nll_sum(hidden, weight, labels, kernels=HeadKernels(compiled=True, logprobs="liger"))
+    eager_rows = common._chunk_rows(11, eager=True)
+    assert seen == [(2, "eager"), (eager_rows, "eager"), (3, "eager"), (eager_rows, "eager")]
 
 
 def test_a_chunk_that_cannot_compile_falls_back_once_and_is_remembered(monkeypatch, caplog):
@@ -86,6 +88,32 @@ def test_a_chunk_that_cannot_compile_falls_back_once_and_is_remembered(monkeypat
     assert len(calls) == 1 and common._UNCOMPILABLE == {"cpu"}
     assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
     assert "no triton" in caplog.records[0].message
+
+
+def test_liger_chunk_that_cannot_launch_falls_back_to_the_compiled_one(monkeypatch, caplog):
+    """A liger-kernel whose kernel no longer takes our arguments: logged once, the compiled chunk from then on."""
+    launches, compiled = [], []
+
+    def incompatible(*_: object) -> None:
+        launches.append(1)
+        raise TypeError("liger_cross_entropy_kernel() got an unexpected keyword argument 'RETURN_PREDICTED_TOKENS'")
+
+    def fused(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        compiled.append(1)
+        return common._nll_and_dlogits_(logits, target, grads=True)
+
+    monkeypatch.setattr(common, "_LIGER_CE_FAILED", set())
+    monkeypatch.setattr(common, "_UNCOMPILABLE", set())
+    monkeypatch.setattr(common, "_liger_nll_and_dlogits_", incompatible)
+    monkeypatch.setattr(common, "_compiled_nll_and_dlogits_", lambda: fused)
+    g = torch.Generator().manual_seed(3)
+    logits, target = torch.randn(3, 5, generator=g, dtype=torch.float64), torch.tensor([[1], [4], [0]])
+    want = torch.nn.functional.cross_entropy(logits, target[:, 0], reduction="sum")
+    with caplog.at_level(logging.WARNING, logger="rlfactory.algos.common"):
+        for _ in range(2):
+            torch.testing.assert_close(common._fused_chunk(logits.clone(), target, "liger"), want.float())
+    assert (len(launches), len(compiled)) == (1, 2) and common._LIGER_CE_FAILED == {"cpu"}
+    assert len(caplog.records) == 1 and "unexpected keyword argument" in caplog.records[0].message
 
 
 def _sft_config(tmp_path: Path, name: str, **train: object) -> object:

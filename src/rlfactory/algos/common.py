@@ -22,7 +22,8 @@ class HeadKernels:
 
     An argument rather than module switches, so two runs in one process (the WebUI, the tests) never see each
     other's choices. ``compiled``: sft's chunk is one compiled kernel on CUDA (``train.torch_compile``);
-    ``logprobs``: the kernel of ``linear_token_logprobs`` on CUDA ("liger": Liger's fused linear cross-entropy);
+    ``logprobs``: the kernel of ``linear_token_logprobs`` on CUDA ("liger": Liger's fused linear cross-entropy),
+    and with ``compiled`` of sft's chunk ("liger": Liger's cross-entropy kernel);
     ``chunk_rows``: rows per chunk in ``linear_nll_sum`` (None: ``_chunk_rows``, a fixed logits budget).
     """
 
@@ -137,7 +138,7 @@ class _LinearNLLSum(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, hidden, weight, labels, chunk_size, compiled):  # noqa: ANN001 (autograd signature)
+    def forward(ctx, hidden, weight, labels, chunk_size, kernel):  # noqa: ANN001 (autograd signature)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         device_type = hidden.device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
@@ -151,7 +152,7 @@ class _LinearNLLSum(torch.autograd.Function):
             h, target = h_all[rows], labels[rows, None]
             logits = h @ w.T
             # d nll / d logits = softmax - onehot(label) overwrites the logits: one fused kernel when compiled
-            nll = _fused_chunk(logits, target) if grads and compiled and h.is_cuda else None
+            nll = _fused_chunk(logits, target, kernel) if grads and kernel != "eager" and h.is_cuda else None
             if nll is None:
                 nll = _nll_and_dlogits_(logits, target, grads)
             loss += nll
@@ -238,21 +239,76 @@ def _compiled_nll_and_dlogits_():
     return chunk
 
 
+def _liger_nll_and_dlogits_(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``_nll_and_dlogits_`` by Liger's cross-entropy kernel: one program per row, an online log-sum-exp pass and a
+    gradient pass over the bf16 logits, the gradient written over them. Launched directly, because Liger's
+    ``cross_entropy_forward`` reads the target count and bounds on the host (three waits for the GPU per chunk)
+    and returns the row losses in the logits' dtype; here they are float32 and nothing waits. On an H200 the sft
+    full step with it was 1.06x the compiled chunk's (docs/BENCHMARKS.md, nineteenth session), whose two kernels
+    move the logits at ~1.4 TB/s."""
+    import triton
+    from liger_kernel.ops import cross_entropy as liger_ce
+
+    rows, vocab = logits.shape
+    losses = torch.zeros(rows, dtype=torch.float32, device=logits.device)
+    liger_ce.liger_cross_entropy_kernel[(rows,)](
+        X_ptr=logits,
+        X_stride=logits.stride(-2),
+        Y_ptr=target.reshape(-1).contiguous(),
+        Y_stride=1,
+        weight_ptr=None,
+        loss_ptr=losses,
+        z_loss_ptr=None,
+        loss_stride=1,
+        token_accuracy_ptr=None,
+        token_accuracy_stride=0,
+        predicted_tokens_ptr=None,
+        predicted_tokens_stride=0,
+        n_cols=vocab,
+        n_non_ignore=1,  # "sum": no division by the token count
+        sum_non_ignore_weight=1,
+        weight_sum=0.0,
+        ignore_index=-100,  # the chunk holds trained positions only
+        lse_square_scale=0.0,
+        label_smoothing=0.0,
+        reduction="sum",
+        softcap=None,
+        RETURN_Z_LOSS=False,
+        RETURN_TOKEN_ACCURACY=False,
+        RETURN_PREDICTED_TOKENS=False,
+        BLOCK_SIZE=min(getattr(liger_ce, "MAX_FUSED_SIZE", 32768), triton.next_power_of_2(vocab)),
+        HAS_WEIGHT=False,
+        HAS_SOFTCAPPING=False,
+        HAS_GRADIENTS=True,
+        num_warps=32,  # Liger's own choice for Hopper and earlier (bandwidth-bound)
+    )
+    return losses.sum()
+
+
 _UNCOMPILABLE: set[str] = set()  # device types where compiling the chunk failed: a fact of the machine, not a setting
+_LIGER_CE_FAILED: set[str] = set()  # device types where Liger's kernel could not be launched (e.g. a changed signature)
 
 
-def _fused_chunk(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor | None:
-    """The compiled chunk function (summed NLL; the gradient over the logits), or None (the eager path) when this
-    machine cannot compile it. A failure is logged once and remembered per device type: a machine without a
-    working compiler (triton) fails the same way on every chunk, and retrying would re-trace each time. The run's
-    ``HeadKernels`` is untouched, so what one run found never reads as another run's choice."""
-    if logits.device.type in _UNCOMPILABLE:
+def _fused_chunk(logits: torch.Tensor, target: torch.Tensor, kernel: str = "compiled") -> torch.Tensor | None:
+    """The chunk by ``kernel`` ("liger" or "compiled"; summed NLL, the gradient over the logits), or None (the eager
+    path) when this machine cannot run it. "liger" falls back to "compiled". A failure is logged once and remembered
+    per device type: a machine without a working compiler (triton) fails the same way on every chunk, and retrying
+    would re-trace each time. The run's ``HeadKernels`` is untouched, so what one run found never reads as another
+    run's choice."""
+    device = logits.device.type
+    if kernel == "liger" and device not in _LIGER_CE_FAILED:
+        try:  # a launch that fails does so before the kernel runs: the logits are untouched
+            return _liger_nll_and_dlogits_(logits, target)
+        except Exception as exc:  # noqa: BLE001 (an incompatible liger-kernel must not stop training)
+            log.warning("Liger cross-entropy kernel not usable (%s); compiled chunk on %s from here on", exc, device)
+            _LIGER_CE_FAILED.add(device)
+    if device in _UNCOMPILABLE:
         return None
     try:
         return _compiled_nll_and_dlogits_()(logits, target)
     except Exception as exc:  # noqa: BLE001 (a missing compiler/triton must not stop training)
-        log.warning("LM-head chunk not compiled (%s); eager on %s from here on", exc, logits.device.type)
-        _UNCOMPILABLE.add(logits.device.type)
+        log.warning("LM-head chunk not compiled (%s); eager on %s from here on", exc, device)
+        _UNCOMPILABLE.add(device)
         return None
 
 
@@ -283,11 +339,18 @@ def linear_nll_sum(
     hidden: (N, H) final hidden states of the positions that are trained; weight: (V, H); labels: (N,). The
     (N, V) logits exist ``chunk_size`` rows at a time and their gradient is formed right there: sft's loss
     without the full-vocabulary logits or a recompute. Rows per chunk: ``chunk_size``, else
-    ``kernels.chunk_rows``, else ``_chunk_rows``; ``kernels.compiled`` fuses each chunk on CUDA.
+    ``kernels.chunk_rows``, else ``_chunk_rows``. With ``kernels.compiled`` on CUDA each chunk is one kernel pass:
+    Liger's cross-entropy kernel where ``kernels.logprobs`` is "liger", else the compiled chunk.
     """
-    compiled = kernels.compiled and hidden.is_cuda and hidden.device.type not in _UNCOMPILABLE
-    rows = chunk_size or kernels.chunk_rows or _chunk_rows(weight.shape[0], eager=not compiled)
-    return _LinearNLLSum.apply(hidden, weight, labels, rows, compiled)
+    kernel = "eager"
+    if kernels.compiled and hidden.is_cuda:
+        device = hidden.device.type
+        if kernels.logprobs == "liger" and device not in _LIGER_CE_FAILED:
+            kernel = "liger"
+        elif device not in _UNCOMPILABLE:
+            kernel = "compiled"
+    rows = chunk_size or kernels.chunk_rows or _chunk_rows(weight.shape[0], eager=kernel == "eager")
+    return _LinearNLLSum.apply(hidden, weight, labels, rows, kernel)
 
 
 ENTROPY_METRIC_CHUNK = 1024  # rows per chunk of the logged (no-gradient) entropy
