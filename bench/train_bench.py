@@ -712,13 +712,14 @@ def main() -> None:
             f"| {row['case']} | {row['impl']} | {row['gpus']} | {row['step_s']} | {row['tokens_per_s']} | "
             f"{row['mfu']:.1%} | {row['peak_mem_gb']} | {ratio} | {scaling} |"
         )
-    print("\nfirst losses (ours vs each TRL impl, max |difference| over the shared steps):")
-    for ours in [r for r in rows if r["impl"] == "ours"]:
+    print("\nfirst losses (each of ours vs each TRL impl, max |difference| over the shared steps):")
+    for ours in [r for r in rows if r["impl"].startswith("ours")]:
         for trl in [
             r for r in rows if (r["case"], r["gpus"]) == (ours["case"], ours["gpus"]) and r["impl"].startswith("trl")
         ]:
             diff = max((abs(a - b) for a, b in zip(ours["losses"], trl["losses"], strict=False)), default=float("nan"))
-            print(f"{ours['case']}: ours {ours['losses']} | {trl['impl']} {trl['losses']} | max diff {diff:.2e}")
+            pair = f"{ours['impl']} {ours['losses']} | {trl['impl']} {trl['losses']}"
+            print(f"{ours['case']}: {pair} | max diff {diff:.2e}")
 
 
 if __name__ == "__main__":
