@@ -289,6 +289,7 @@ def _grpo_cfg(args, model_dir: Path, out: Path, backend: str, sync: str, sleep: 
             "gpu_memory_utilization": args.gpu_mem,
             "enforce_eager": args.eager,
             "generation_batch_size": 512,
+            "overlap": args.overlap,
         },
         "reward": {"functions": {"answer_match": 1.0}},
         # data parallel: one colocated engine per GPU, the same prompts per GPU (the step's prompts are split)
@@ -346,6 +347,7 @@ def case_grpo(args, model_dir: Path) -> dict:
         "sleep": args.sleep,
         "micro": args.micro,
         "compile": args.compile,
+        "overlap": args.overlap,
         "exit": code,
         "gpus": args.gpus,
         "log_step_s": log_step_s,
@@ -533,6 +535,7 @@ def table(results: list[dict]) -> str:
                 name = f"ours {r['impl']} {r['sync']} micro {r['micro']}" + (" +sleep" if r.get("sleep") else "")
                 name += f", {r['gpus']} GPUs" if r.get("gpus", 1) > 1 else ""
                 name += " +compile" if r.get("compile") else ""
+                name += " +overlap" if r.get("overlap") else ""
                 parts = {k: r[f"timing_s/{k}"] for k in BREAKDOWN if r.get(f"timing_s/{k}") is not None}
                 mean, mx = r.get("rollout/logprob_diff_mean"), r.get("rollout/logprob_diff_max")
                 diff = f"{mean:.2e} / {mx:.2e}" if mean is not None else "-"
@@ -560,7 +563,7 @@ def main() -> None:
         "--grpo-runs",
         default="adapter:16,adapter:64,merged:64",
         help="grpo: lora_sync:micro-batch pairs (train.per_device_batch_size; 16 = TRL's micro-batch here); "
-        "a third field :compile adds train.torch_compile",
+        "more fields: :compile adds train.torch_compile, :overlap rollout.overlap (e.g. adapter:64:compile:overlap)",
     )
     parser.add_argument("--sleep-runs", default="adapter:64,merged:64", help="memory: the same, with sleep mode")
     parser.add_argument("--gpu-mem", type=float, default=0.3, help="vLLM gpu_memory_utilization (both)")
@@ -589,6 +592,7 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=16, help=argparse.SUPPRESS)
     parser.add_argument("--sleep", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--overlap", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -602,9 +606,12 @@ def main() -> None:
     # the side-by-side speed runs first: what a cut-off call still brings back
     if "trl" in cases:
         runs += [["--case", "trl"]]
-    # "sync:micro" or "sync:micro:compile" (train.torch_compile)
-    pairs = lambda text: [(p.split(":")[0], p.split(":")[1], p.endswith(":compile")) for p in text.split(",") if p]
-    flag = lambda compiled: ["--compile"] if compiled else []
+    # "sync:micro" plus optional fields ":compile" (train.torch_compile) and ":overlap" (rollout.overlap)
+    pairs = lambda text: [(p.split(":")[0], p.split(":")[1], p.split(":")[2:]) for p in text.split(",") if p]
+    unknown = {e for text in (args.grpo_runs, args.sleep_runs) for _, _, extras in pairs(text) for e in extras}
+    if unknown - {"compile", "overlap"}:
+        parser.error(f"unknown run field(s) {sorted(unknown - {'compile', 'overlap'})}: use :compile and :overlap")
+    flag = lambda extras: [f"--{e}" for e in extras]
     if "grpo" in cases:
         runs += [
             ["--case", "grpo", "--impl", impl, "--sync", s, "--micro", m, *flag(c)] for s, m, c in pairs(args.grpo_runs)

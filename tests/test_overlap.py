@@ -59,7 +59,7 @@ def pays_length(prompt, completion, answer, example):
 """
 
 
-def overlap_config(tmp_path: Path, overlap: bool) -> RunConfig:
+def overlap_config(tmp_path: Path, overlap: bool, **rollout: object) -> RunConfig:
     (tmp_path / "rewards.py").write_text(PAYS_LENGTH)
     return RunConfig.model_validate(
         {
@@ -69,7 +69,7 @@ def overlap_config(tmp_path: Path, overlap: bool) -> RunConfig:
             "data": {"dataset": "arith_prompts", "dataset_dir": str(DATA_DIR)},
             # temperature 1.5 and a reward paying length: groups score differently from step 1, so the weights move
             "rollout": {"prompts_per_step": 2, "num_samples": 4, "max_response_len": 12, "temperature": 1.5,
-                        "overlap": overlap},
+                        "overlap": overlap, **rollout},
             "reward": {"functions": {f"{tmp_path / 'rewards.py'}:pays_length": 1.0}, "num_workers": 1},
             "train": {"max_steps": 3, "per_device_batch_size": 8, "learning_rate": 2e-3},
             "logging": {"progress_bar": False},
@@ -184,8 +184,10 @@ def test_overlap_config_rules():
 
     cfg = RunConfig.model_validate(_grpo(overlap=True, is_correction="token_truncate"))  # a separate sampler: IS ok
     assert cfg.rollout.overlap and cfg.rollout.is_correction == "token_truncate"
-    with pytest.raises(ValueError, match="rollout.overlap: true runs with rollout.backend: hf only"):
-        RunConfig.model_validate(_grpo(overlap=True, backend="vllm"))
+    on_vllm = RunConfig.model_validate(_grpo(overlap=True, backend="vllm"))  # the engine itself is the sampler
+    assert on_vllm.rollout.overlap and on_vllm.rollout.backend == "vllm"
+    with pytest.raises(ValueError, match="rollout.overlap: true keeps the vLLM engine generating through the update"):
+        RunConfig.model_validate(_grpo(overlap=True, backend="vllm", enable_sleep_mode=True))
     with pytest.raises(UserError, match="rollout.overlap: true runs on one process for now \\(2 here\\)"):
         check_world(cfg, 2)
     check_world(cfg, 1)

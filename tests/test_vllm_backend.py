@@ -205,3 +205,40 @@ def test_grpo_with_tools_on_vllm_learns_to_call_the_calculator(tmp_path: Path):
     before, after = (r for r in log if "val/score" in r)
     print("tools on vllm:", before["val/score"], "->", after["val/score"])
     assert after["val/tool_calls/mean"] >= 0.9 and after["val/score"] >= before["val/score"] + 0.1
+
+
+def test_overlapped_vllm_rollouts_come_from_the_previous_steps_weights(tmp_path: Path):
+    """rollout.overlap on the vLLM engine (no copy: the engine is the sampler): step 1 samples the initial weights,
+    step k >= 2 those after step k-1, with vLLM's log-probs equal to that policy's within the engine tolerance while
+    the trained policy already differs; the engine is synced only before a round (not after each update), and
+    ``engine_current`` (before validation) brings it to the weights trained so far."""
+    from tests.test_overlap import logprobs_under, overlap_config, run_steps
+
+    from rlfactory.engine.online.loop import engine_current
+
+    cfg = overlap_config(tmp_path, True, backend="vllm", max_prompt_len=128)
+    results, weights, run = run_steps(cfg)
+    try:
+        assert run.sampler is run.rollouts  # one engine: generation and validation
+        assert [{s.version for s in r.samples} for r in results] == [{0}, {0}, {1}]
+        assert [r.metrics["rollout/staleness"] for r in results] == [0.0, 1.0, 1.0]
+        for index, result in enumerate(results):
+            version = max(index - 1, 0)
+            batch, mask = result.batch, result.batch.response_mask.bool()
+            sampler = batch.sampler_logprobs
+            assert (sampler - logprobs_under(cfg, weights[version], batch))[mask].abs().max() < MAX_DIFF
+            if index >= 1:  # generated while the previous step trained: one step stale
+                assert (sampler - logprobs_under(cfg, weights[index], batch))[mask].abs().max() > 1e-2
+                assert "timing_s/gen_overlapped" in result.metrics
+        assert run.sampler_version == 1  # synced before step 3's round (to the weights after step 1), not after updates
+        engine_current(run)
+        assert run.sampler_version == run.state.step == 3
+        prompts = [p["prompt_ids"] for p in run.prompts[:4]]
+        params = SamplingParams(max_tokens=12, temperature=cfg.rollout.temperature)
+        batch = pack_rollouts(prompts, run.rollouts.backend.generate(prompts, params), run.tokenizer.pad_token_id)
+        mask = batch.response_mask.bool()
+        assert (batch.sampler_logprobs - logprobs_under(cfg, weights[3], batch))[mask].abs().max() < MAX_DIFF
+    finally:
+        run.rollouts.close()
+        del run
+        gc.collect()

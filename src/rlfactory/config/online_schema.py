@@ -56,13 +56,14 @@ class RolloutConfig(Section):
     )
     overlap: bool = Field(
         False,
-        description="Overlapped generation, one step off-policy: step k+1's rollouts are generated (on a copy of the "
-        "policy, in a second thread) while step k trains, so a step costs about max(generation, the rest) instead of "
-        "their sum where the two can run at once (on a CPU they share the cores: README 'Overlapped generation'). "
-        "The cost is staleness: the rollouts trained at step k come from the weights of step k-1 (step 1: "
-        "the initial ones). The sampler's log-probs are kept, so rollout/logprob_diff_* and rollout/ratio_over_cap "
-        "measure how far the policy moved, and is_correction corrects for it (token_truncate is a sound start). The "
-        "copy costs the trained weights once more (LoRA: the adapter only). hf backend, one process.",
+        description="Overlapped generation, one step off-policy: step k+1's rollouts are generated (in a second "
+        "thread: hf on a copy of the policy, vllm on its engine) while step k trains, so a step costs about "
+        "max(generation, the rest) instead of their sum where the two can run at once (on a CPU they share the cores: "
+        "README 'Overlapped generation'). The cost is staleness: the rollouts trained at step k come from the weights "
+        "of step k-1 (step 1: the initial ones). The sampler's log-probs are kept, so rollout/logprob_diff_* and "
+        "rollout/ratio_over_cap measure how far the policy moved, and is_correction corrects for it (token_truncate "
+        "is a sound start). hf: the copy costs the trained weights once more (LoRA: the adapter only); vllm: no copy, "
+        "but the engine's KV cache stays allocated through the update (no sleep mode). One process.",
     )
     generation_batch_size: int = Field(
         64, ge=1, description="Sequences generated at once per device (memory-bound; also used for validation)."

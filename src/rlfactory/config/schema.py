@@ -175,10 +175,11 @@ class RunConfig(Section):
                     "rollout.backend: vllm or rollout.overlap: true (the hf backend otherwise samples with the policy "
                     "itself); set it to none"
                 )
-            if self.rollout.overlap and self.rollout.backend != "hf":
+            if self.rollout.overlap and self.rollout.backend == "vllm" and self.rollout.enable_sleep_mode:
                 raise ValueError(
-                    f"rollout.overlap: true runs with rollout.backend: hf only (not {self.rollout.backend} yet: "
-                    "docs/ARCHITECTURE.md 'Overlapped generation' says what it needs); set rollout.overlap: false"
+                    "rollout.overlap: true keeps the vLLM engine generating through the update, so it cannot sleep "
+                    "then; set rollout.enable_sleep_mode: false (and leave the update room beside the engine with "
+                    "rollout.gpu_memory_utilization), or rollout.overlap: false"
                 )
             self._online_rules()
         if self.evaluation.tools and self.rollout is not None:

@@ -186,8 +186,10 @@ def build_run(
     for example in prompts + eval_prompts:
         example["prompt_text"] = tokenizer.decode(example["prompt_ids"])
     unwrapped = accelerator.unwrap_model(actor.model)
-    sampler = None
-    if ro.overlap:  # validation keeps generating with the policy itself; the copy makes the training rollouts
+    rollouts, sampler = build_rollouts(cfg, unwrapped, tokenizer), None
+    if ro.overlap and rollouts.syncs_weights:  # vllm: the engine holds its own weights, so it is the sampler
+        sampler = rollouts
+    elif ro.overlap:  # hf: validation keeps generating with the policy itself; a copy makes the training rollouts
         from rlfactory.rollout.backends import build_overlap_sampler
 
         copy = build_overlap_sampler(cfg, unwrapped, tokenizer, cfg.seed + ranks.rank)
@@ -201,7 +203,7 @@ def build_run(
         actor=actor,
         critic=critic_updater,
         reference=reference,
-        rollouts=build_rollouts(cfg, unwrapped, tokenizer),
+        rollouts=rollouts,
         rewards=RewardStack(cfg.reward, ro.max_response_len, reward_model),
         kl_ctrl=_kl_controller(cfg),
         prompts=prompts,
@@ -224,6 +226,18 @@ def _ddp_ignore_unused(critic: Any) -> None:
     unused = [name for name, p in critic.named_parameters() if p.requires_grad and id(p) not in used]
     if unused:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(critic, unused)
+
+
+def engine_current(run: Run) -> None:
+    """Before validation: an overlapped vLLM engine (``run.sampler is run.rollouts``) finishes the round it is
+    generating for the next step (kept for that step) and takes the weights trained so far. Without overlap the
+    engine was synced after the last update, and hf validates with the policy itself."""
+    if run.prefetch is None or run.sampler is not run.rollouts:
+        return
+    run.prefetch.finish()
+    if run.sampler_version != run.state.step:
+        run.rollouts.sync_weights(run.accelerator.unwrap_model(run.actor.model))
+        run.sampler_version = run.state.step
 
 
 def validate(run: Run) -> tuple[dict[str, float], list[dict]]:
@@ -290,6 +304,7 @@ def _mean(window: list[dict[str, float]]) -> dict[str, float]:
 
 
 def _validate_and_log(run: Run, step_index: int) -> dict[str, float]:
+    engine_current(run)
     metrics, rows = validate(run)
     _log(run, {"step": step_index, **metrics})
     if run.accelerator.is_main_process:
@@ -337,7 +352,8 @@ def train(
     before = after = None
     if resume_from is not None:
         before = _resume(run, resume_from)
-    for sampler in (run.rollouts, run.sampler):  # merged adapter_paths, a resumed policy: other weights loaded
+    # merged adapter_paths, a resumed policy: other weights loaded (a vLLM sampler is run.rollouts itself)
+    for sampler in (run.rollouts, None if run.sampler is run.rollouts else run.sampler):
         if sampler is not None and sampler.syncs_weights:
             sampler.sync_weights(run.accelerator.unwrap_model(run.actor.model))
     run.sampler_version = run.state.step
@@ -487,9 +503,10 @@ def _finish(run: Run, last: dict, before: dict | None, after: dict | None) -> tu
             run_dir.plot_log(run.out, ("loss", "score/mean", "val/score"))
     saved_as = run.ranks.first(saved_as)  # every rank returns the same result; the model is written once
     shared.end_run(accelerator)
-    run.rollouts.close()
-    if run.sampler is not None:
+    if run.prefetch is not None:
         run.prefetch.wait()
+    run.rollouts.close()
+    if run.sampler is not None and run.sampler is not run.rollouts:
         run.sampler.close()
     extra: dict[str, Any] = {}
     if after is not None:

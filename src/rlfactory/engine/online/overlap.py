@@ -5,8 +5,10 @@ One step off-policy, as AReaL's and verl's one-step-off schedules::
     main thread    | take k (wait) | sync sampler <- W_k | launch k+1 | score, passes, update W_k -> W_k+1 | take k+1
     sampler thread                                      | generate k+1 on W_k .......................|
 
-- the sampler is a copy of the policy (``rollout.hf.CopyBackend``); it is synced only while no generation runs
-  (after the pending round was taken), so the update never races it, and it samples from its own generator.
+- the sampler is a copy of the policy (``rollout.hf.CopyBackend``, sampling from its own generator), or with
+  ``rollout.backend: vllm`` the engine itself, which holds its own weights; it is synced only while no generation
+  runs (after the pending round was taken, or waited for: validation on the vLLM engine), so the update never races
+  it.
 - what is shared state stays on the main thread: the prompt order (``LoopState.cursor``) and the group ids are
   drawn when a round is launched (``phases.draw_round``), scoring and every collective (the gathers over processes)
   run after it is taken. The thread only generates.
@@ -84,6 +86,12 @@ class Prefetch:
     def rewind(self) -> dict[str, Any]:
         """LoopState fields as they were before the pending round drew its prompts ({} when none is pending)."""
         return {} if self.pending is None else dict(self.pending[0].rewind)
+
+    def finish(self) -> None:
+        """Wait until the pending round has generated, keeping it pending (``take`` still returns it, or raises what
+        it raised): before the sampler is used on this thread (a vLLM engine that validates or is synced)."""
+        if self.pending is not None:
+            self.pending[1].exception()
 
     def wait(self) -> None:
         """Let a pending round finish (its result is dropped): before the sampler is closed at the end of a run."""

@@ -13,8 +13,8 @@
                                                                   -> batch.token_rewards, .advantages, .returns
 7. update    critic, then actor: ppo_epochs x num_mini_batches optimizer steps (``update.Updater``), the
              policy gradient importance-weighted by ``rollout.is_correction`` when a separate sampler generated
-8. sync      a backend with its own copy of the policy (vllm) gets the updated weights (the overlap sampler: at
-             the next step, once its round is taken)
+8. sync      a backend with its own copy of the policy (vllm) gets the updated weights (an overlapped sampler, the
+             hf copy or the vLLM engine itself: at the next step, once its round is taken)
 9. metrics   verl names: actor/*, critic/*, reward/<name>/*, score/*, advantages/*, response_length/*,
              timing_s/*, perf/*, rollout/staleness; with a separate sampler rollout/logprob_diff_{mean,max},
              rollout/prob_pearson, rollout/ratio_over_cap
@@ -382,7 +382,8 @@ def update_models(run: Run, batch: RolloutBatch, step: int) -> tuple[dict[str, f
             result = run.actor.run(batch, alg, micro, batch.loss_mask, loss_fn, "actor", step + 1)
         metrics.update(result.metrics)
         trainer_logprobs = result.logprobs
-    if run.rollouts.syncs_weights:
+    # an overlapped engine is generating the next step right now: it is synced before its next round (prefetch_next)
+    if run.rollouts.syncs_weights and run.sampler is not run.rollouts:
         with run.timer("sync"):
             run.rollouts.sync_weights(run.accelerator.unwrap_model(run.actor.model))
     return metrics, trainer_logprobs
