@@ -185,6 +185,30 @@ def test_grpo_run_with_vllm(tmp_path: Path, mode: str, correction: str):
     assert (out / "adapter_config.json").is_file()
 
 
+def test_grpo_run_with_overlap_on_vllm(tmp_path: Path):
+    """The real CLI with rollout.overlap on the vLLM engine (LoRA adapter sync): validation before, between and after
+    the steps (the engine finishes the pending round and takes the current weights first), one step stale from
+    step 2, and the run ends with the adapter saved."""
+    cfg = _cfg("adapter", tmp_path)
+    cfg["rollout"].update(overlap=True, is_correction="token_truncate")
+    cfg["train"] = {"max_steps": 4, "per_device_batch_size": 8, "learning_rate": 1e-2, "eval_steps": 2}
+    cfg["evaluation"] = {"dataset": "arith_prompts_test", "max_samples": 8, "max_new_tokens": 24}
+    cfg["logging"]["rollout_trace_steps"] = 1
+    result = run_cli("train", str(write_yaml(tmp_path / "run.yaml", cfg)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = Path(cfg["output_dir"])
+    steps = [r for r in read_log(out) if "score/mean" in r]
+    assert [r["rollout/staleness"] for r in steps] == [0.0, 1.0, 1.0, 1.0]
+    assert all("timing_s/gen_overlapped" in r for r in steps[1:])
+    assert [r["step"] for r in read_log(out) if "val/score" in r] == [0, 2, 4]
+    versions = [
+        {json.loads(line)["policy_version"] for line in (out / "rollouts" / f"step_{k:05d}.jsonl").open()}
+        for k in (1, 2, 3, 4)
+    ]
+    assert versions == [{0}, {0}, {1}, {2}]
+    assert (out / "adapter_config.json").is_file()
+
+
 def test_grpo_with_tools_on_vllm_learns_to_call_the_calculator(tmp_path: Path):
     """Multi-turn tool rollouts through vLLM: the agent loop splices tool results between vLLM turns (masked,
     so the mismatch metrics cover only sampled tokens) and GRPO raises held-out success, as with hf."""
