@@ -114,6 +114,36 @@ def test_running_positions_change_the_numbers(model, batch):
     assert (right - wrong).abs().max() > 0.1
 
 
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_the_chunked_head_equals_the_full_logits(model, batch, packing, monkeypatch):
+    """Without an entropy loss the head runs chunked on the response positions' hidden states (``linear_token_
+    logprobs``: no (b, R, V) logits held to backward); with one it takes the full logits. Both give the same log-
+    probs, logged entropy and policy gradient, at temperature 0.7. The log-probs are float32 by design, so the bound
+    is float32's: a few ulps on the values, 1e-5 relative on the gradients."""
+    from rlfactory.engine.online import update
+
+    chunked_calls = []
+    real = update.linear_token_logprobs
+    monkeypatch.setattr(update, "linear_token_logprobs", lambda *a, **k: chunked_calls.append(1) or real(*a, **k))
+    rows = torch.arange(len(PROMPTS))
+    packed = _packed(batch, rows.tolist()) if packing else None
+
+    def run(entropy: str):
+        model.zero_grad()
+        logprobs, ent = policy_forward(model, batch, rows, 0.7, entropy, packed=packed)
+        (logprobs * batch.advantages).sum().backward()
+        return logprobs.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    chunked, full = run("metric"), run("loss")
+    assert len(chunked_calls) == 1  # the metric run went through the chunked head, the loss run did not
+    assert (chunked[0] - full[0]).abs().max() <= 4 * EPS32 * full[0].abs().max()
+    assert (chunked[1] - full[1]).abs().max() <= 4 * EPS32 * full[1].abs().max()
+    assert full[0].abs().max() > 1 and full[1].abs().max() > 1
+    for name, grad in full[2].items():
+        torch.testing.assert_close(chunked[2][name], grad, rtol=1e-5, atol=1e-5 * float(grad.abs().max()))
+    assert max(float(g.abs().max()) for g in full[2].values()) > 1e-3  # a gradient to compare
+
+
 def test_eager_attention_packs_exactly_too(batch):
     """eager builds the same block-diagonal mask from the position ids. In float32 (eager's padded rows are NaN in
     float64: a padding query row masked with float64's minimum overflows to -inf in its float32 softmax), where a

@@ -337,3 +337,20 @@ def test_zero3_head_is_liger_fused_where_liger_runs(monkeypatch):
     shape = model_shape(str(TINY_MODEL))
     assert head_fused.bytes == t.liger_fused_head_bytes(shape, fused.tokens, BF16, trains_head=True)[0]
     assert head_fused.bytes < head_full.bytes
+
+
+def test_the_online_head_is_planned_as_it_runs():
+    """grpo without an entropy bonus runs its head chunked on the response positions (``policy_forward``); with
+    one, on the full logits, which hold 4 bytes per logit to backward."""
+    config = str(ROOT / "examples/quickstart/grpo.yaml")
+    held = "LM head (held to backward)"
+    (chunked,) = plan_config(config, ["algorithm.entropy_coef=0"])
+    (full,) = plan_config(config, ["algorithm.entropy_coef=0.01"])
+    head_chunked, head_full = (next(x for x in p.terms if x.name == held) for p in (chunked, full))
+    assert head_chunked.note == "chunked on the response positions"
+    assert head_full.note == "the full logits: float32 log-prob chunks"
+    shape = model_shape(str(TINY_MODEL))
+    # held to backward, for the same response positions: vocabulary-wide float32 rows against hidden-wide rows in
+    # the compute dtype (2 or 4 bytes)
+    ratio = head_full.bytes / head_chunked.bytes
+    assert any(ratio == pytest.approx(shape.vocab * 4 / (shape.hidden * size)) for size in (2, 4)), ratio

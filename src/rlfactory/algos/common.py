@@ -377,6 +377,17 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 4096) -> torch.T
     return torch.cat(out).reshape(logits.shape[:-1])
 
 
+@torch.no_grad()
+def linear_entropy(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int = ENTROPY_METRIC_CHUNK) -> torch.Tensor:
+    """(N,) float32 entropy of ``softmax(hidden @ weight.T)``, without gradient, ``chunk_size`` rows at a time: the
+    logged entropy of a head that never forms the (N, V) logits (the online update's chunked head)."""
+    out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk_size):
+        log_p = F.log_softmax((hidden[start : start + chunk_size] @ weight.T).float(), dim=-1)
+        out[start : start + chunk_size] = log_p.exp().mul_(log_p).sum(-1).neg_()
+    return out
+
+
 def shift_for_causal_lm(labels: torch.Tensor, ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
     """Align labels with next-token logits: returns (targets, mask), both (B, T).
 

@@ -215,7 +215,13 @@ class AlgorithmConfig(Section):
     )
     kl_target: float = Field(6.0, gt=0.0, description="Adaptive KL controller: target KL per sequence.")
     kl_horizon: float = Field(10000.0, gt=0.0, description="Adaptive KL controller: horizon in samples.")
-    entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus weight (0: off; entropy is logged anyway).")
+    entropy_coef: float = Field(
+        0.0,
+        ge=0.0,
+        description="Entropy bonus weight (0: off; entropy is logged anyway). Above 0 the update's LM head takes the "
+        "full logits of the response positions (the entropy's gradient needs them) instead of running chunked: 4 "
+        "bytes per logit more memory held to backward.",
+    )
     value_clip: float | None = Field(
         0.2, gt=0.0, description="ppo: clip range of the value loss around the old values (null: plain MSE)."
     )

@@ -292,8 +292,12 @@ def head_terms(cfg: RunConfig, shape: t.ModelShape, p: t.Precision, gpu: Gpu, to
         return [Term("LM head", 0.0, "update", "a score head: no vocabulary logits")]
     if cfg.rollout is not None:
         rows = cfg.train.per_device_batch_size * cfg.rollout.max_response_len
-        held, chunk = t.online_head_bytes(shape, rows, p)
-        note = "float32 log-prob chunks"
+        if cfg.algorithm.entropy_coef > 0 or strategy(cfg) in ("zero3", "zero3_offload"):
+            held, chunk = t.online_head_bytes(shape, rows, p)  # the entropy's gradient, or a partitioned head
+            note = "the full logits: float32 log-prob chunks"
+        else:
+            held, chunk = t.logprob_head_bytes(shape, rows, p)
+            note = "chunked on the response positions"
     elif strategy(cfg) in ("zero3", "zero3_offload") and layer_path(cfg, gpu) == "liger":
         trains_head = cfg.model.finetuning == "full" or any("lm_head" in m for m in cfg.freeze.extra_modules)
         held, chunk = t.liger_fused_head_bytes(shape, tokens, p, trains_head)

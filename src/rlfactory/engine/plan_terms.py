@@ -257,7 +257,8 @@ LOGPROB_CHUNK = 2048  # algos.common.linear_token_logprobs' chunk_size
 
 
 def logprob_head_bytes(shape: ModelShape, rows: int, p: Precision) -> tuple[float, float]:
-    """dpo/kto/orpo's per-token log-probs (``linear_token_logprobs``, recomputed in backward): the picked hidden
+    """dpo/kto/orpo's and the online update's per-token log-probs (``linear_token_logprobs``, recomputed in
+    backward; the online update's logged entropy runs in smaller chunks, without gradient): the picked hidden
     rows (held), and one chunk's logits, their float32 copy and the log-sum-exp temporary at a time (transient).
     Liger's fused kernel (CUDA default) uses smaller chunks; this is the torch loop's budget, the larger of the two."""
     chunk = min(rows, LOGPROB_CHUNK)
@@ -286,7 +287,9 @@ TOKEN_LOGPROBS_CHUNK = 4096  # algos.common.token_logprobs' chunk_size
 
 
 def online_head_bytes(shape: ModelShape, rows: int, p: Precision) -> tuple[float, float]:
-    """The online update's head (``engine/online/update.policy_forward``) for ``rows`` response positions. Held to
+    """The online update's head on the full logits (``engine/online/update.policy_forward`` with the entropy in the
+    loss, or a ZeRO-3 partitioned head; otherwise it runs chunked: ``logprob_head_bytes``) for ``rows`` response
+    positions. Held to
     backward: ``token_logprobs``' float32 row chunks, which log-sum-exp saves (4 bytes per logit). Beyond that, the
     head's peak (transient), the larger of its forward's, where the logits and their contiguous copy (compute dtype)
     meet a chunk's exp temporary, and its backward's, three float32 gradients of a chunk at once. The chunk's share

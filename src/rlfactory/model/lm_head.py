@@ -37,7 +37,7 @@ def lm_parts(model: Any) -> tuple[Any, Any] | None:
     return base.get_decoder(), head
 
 
-def _final_hidden(model: Any, decoder: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+def final_hidden(model: Any, decoder: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     """The decoder's last hidden state (N, T, H), through the outer model, with one position of logits."""
     captured: list[torch.Tensor] = []
     handle = decoder.register_forward_hook(lambda _m, _a, out: captured.append(out[0]))
@@ -91,7 +91,7 @@ def nll_sum(
     decoder, head = parts
     if rows is None:
         rows = (targets != -100).flatten().nonzero().squeeze(1)
-    hidden = _final_hidden(model, decoder, inputs)
+    hidden = final_hidden(model, decoder, inputs)
     return linear_nll_sum(
         select_rows(hidden.flatten(0, 1), rows),
         head.weight,
@@ -125,7 +125,7 @@ def next_token_logps(
     decoder, head = parts
     if rows is None:  # found on the device: a wait
         rows = mask.flatten().nonzero().squeeze(1)
-    hidden = _final_hidden(model, decoder, inputs)
+    hidden = final_hidden(model, decoder, inputs)
     flat = select_rows(hidden.flatten(0, 1), rows)
     picked = linear_token_logprobs(flat, head.weight, targets.flatten().index_select(0, rows), kernels=kernels)
     out = torch.zeros(mask.numel(), dtype=picked.dtype, device=picked.device)

@@ -146,6 +146,7 @@ def build_run(
     """Accelerator, optimizers, reference, reward stack and rollouts: everything before the first step."""
     from accelerate.utils import set_seed
 
+    from rlfactory.model.loader import head_kernels
     from rlfactory.model.reference import build_reference
 
     ro, alg = cfg.rollout, cfg.algorithm
@@ -212,6 +213,7 @@ def build_run(
         health=health.HealthMonitor(cfg.health, Path(cfg.output_dir), accelerator.is_main_process),
         sampler=sampler,
         prefetch=Prefetch() if sampler is not None else None,
+        kernels=head_kernels(cfg.model, cfg.train),
     )
 
 

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rlfactory.algos.common import HeadKernels
 from rlfactory.config.schema import RunConfig
 from rlfactory.data.packing import ALIGN_COLUMNS
 from rlfactory.engine.health import HealthMonitor
@@ -120,6 +121,7 @@ class Run:
     sampler: Rollouts | None = None
     prefetch: Prefetch | None = None
     sampler_version: int = 0
+    kernels: HeadKernels = HeadKernels()  # the LM head's kernels in every policy pass (``model.loader.head_kernels``)
 
 
 @dataclass
@@ -288,7 +290,7 @@ def reference_logprobs(run: Run, batch: RolloutBatch) -> None:
         return
     temperature, micro = run.cfg.rollout.temperature, run.cfg.train.per_device_batch_size
     with run.timer("ref"), run.reference.weights(batch.input_ids.device) as model:
-        batch.ref_logprobs = ops.logprob_pass(model, batch, temperature, micro, run.actor.packing)
+        batch.ref_logprobs = ops.logprob_pass(model, batch, temperature, micro, run.actor.packing, run.kernels)
 
 
 def old_logprobs(run: Run, batch: RolloutBatch) -> None:
@@ -300,7 +302,7 @@ def old_logprobs(run: Run, batch: RolloutBatch) -> None:
     policy = run.accelerator.unwrap_model(run.actor.model)
     temperature, micro = run.cfg.rollout.temperature, run.cfg.train.per_device_batch_size
     with run.timer("old_logprob"):
-        batch.old_logprobs = ops.logprob_pass(policy, batch, temperature, micro, run.actor.packing)
+        batch.old_logprobs = ops.logprob_pass(policy, batch, temperature, micro, run.actor.packing, run.kernels)
 
 
 def critic_values(run: Run, batch: RolloutBatch) -> None:
@@ -377,7 +379,14 @@ def update_models(run: Run, batch: RolloutBatch, step: int) -> tuple[dict[str, f
     if step >= (cfg.critic.warmup_steps if run.critic is not None else 0):
         with run.timer("update_actor"):
             loss_fn = ops.actor_loss_fn(
-                run.actor.model, batch, alg, ro.temperature, ro.max_response_len, ro.is_correction, ro.is_threshold
+                run.actor.model,
+                batch,
+                alg,
+                ro.temperature,
+                ro.max_response_len,
+                ro.is_correction,
+                ro.is_threshold,
+                run.kernels,
             )
             result = run.actor.run(batch, alg, micro, batch.loss_mask, loss_fn, "actor", step + 1)
         metrics.update(result.metrics)

@@ -27,10 +27,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from rlfactory.algos.common import entropy_from_logits, masked_mean, masked_var, token_logprobs
+from rlfactory.algos.common import (
+    HeadKernels,
+    entropy_from_logits,
+    linear_entropy,
+    linear_token_logprobs,
+    masked_mean,
+    masked_var,
+    token_logprobs,
+)
 from rlfactory.config.schema import AlgorithmConfig
 from rlfactory.data.packing import ALIGN_COLUMNS, round_up
 from rlfactory.engine.shared import NonFiniteGuard, autocast_forward, backward, clip_grad_norm
+from rlfactory.model.lm_head import final_hidden, lm_parts, select_rows
 from rlfactory.rollout.batch import RolloutBatch, response_logits
 
 if TYPE_CHECKING:
@@ -133,35 +142,52 @@ def policy_forward(
     entropy: str = "none",
     width: int | None = None,
     packed: PackedRows | None = None,
+    kernels: HeadKernels = HeadKernels(),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (b, R) of the sampled response tokens under ``model`` at the sampling temperature.
 
     ``entropy``: ``none``, ``metric`` (computed without gradient) or ``loss`` (with gradient). ``packed``: the rows
-    as one padding-free row (the same numbers, computed on real tokens only).
+    as one padding-free row (the same numbers, computed on real tokens only). Unless the entropy is in the loss,
+    the LM head runs chunked on the response positions' hidden states (``linear_token_logprobs``, the logits
+    recomputed in backward; ``kernels``: the run's choice, Liger's on CUDA), so the (b, R, V) logits and their
+    float32 chunks are never held to backward: at a 152k vocabulary 4 bytes per logit less (10 GB for 64 x 256
+    response tokens). A model without a decoder/head split (a ZeRO-3 partitioned head) takes its full logits.
     """
     if packed is not None:
         inputs = packed.inputs(batch, rows)
-        # logits only at the positions that predict response tokens; the token each predicts is the next one
-        logits = model(**inputs, use_cache=False, logits_to_keep=packed.keep).logits
-        targets = inputs["input_ids"][:, packed.keep + 1]
+        targets = inputs["input_ids"][:, packed.keep + 1]  # the token each kept position predicts is the next one
         width_r = packed.width
     else:
         inputs, width_r = _trimmed(batch, rows, width)
-        # logits only for the positions that predict response tokens: prompt positions are never computed
-        logits = model(**inputs, use_cache=False, logits_to_keep=width_r + 1).logits[:, :-1]
         targets = batch.responses[rows, :width_r]
-    if temperature != 1.0:
-        logits = logits / temperature
-    logprobs = token_logprobs(logits, targets)
+    parts = lm_parts(model) if entropy != "loss" else None
+    if parts is not None:
+        decoder, head = parts
+        hidden = final_hidden(model, decoder, inputs)
+        # the positions that predict response tokens: the packed row's kept ones, or each row's last width_r + 1
+        # but the last (what logits_to_keep selects below)
+        picked = select_rows(hidden[0], packed.keep) if packed is not None else hidden[:, -(width_r + 1) : -1]
+        flat = picked.reshape(-1, picked.shape[-1])
+        flat = flat / temperature if temperature != 1.0 else flat  # (h / T) @ W.T = logits / T
+        logprobs = linear_token_logprobs(flat, head.weight, targets.reshape(-1), kernels=kernels).view(targets.shape)
+        ent = None if entropy == "none" else linear_entropy(flat.detach(), head.weight).view(targets.shape)
+    else:
+        if packed is not None:  # logits only at the positions that predict response tokens
+            logits = model(**inputs, use_cache=False, logits_to_keep=packed.keep).logits
+        else:  # logits only for the positions that predict response tokens: prompt positions are never computed
+            logits = model(**inputs, use_cache=False, logits_to_keep=width_r + 1).logits[:, :-1]
+        if temperature != 1.0:
+            logits = logits / temperature
+        logprobs = token_logprobs(logits, targets)
+        ent = None
+        if entropy != "none":
+            with torch.set_grad_enabled(entropy == "loss" and torch.is_grad_enabled()):
+                ent = entropy_from_logits(logits if entropy == "loss" else logits.detach())
     if packed is not None:
         place = lambda values: packed.scatter(values[0], batch)
     else:
         place = lambda values: _to_full_width(values, batch, rows)
-    ent = None
-    if entropy != "none":
-        with torch.set_grad_enabled(entropy == "loss" and torch.is_grad_enabled()):
-            ent = place(entropy_from_logits(logits if entropy == "loss" else logits.detach()))
-    return place(logprobs), ent
+    return place(logprobs), None if ent is None else place(ent)
 
 
 def value_forward(
@@ -192,9 +218,13 @@ def full_pass(fn: Callable[..., torch.Tensor], batch: Batch, size: int, packing:
     return torch.cat(out)
 
 
-def logprob_pass(model: Any, batch: Batch, temperature: float, size: int, packing: bool) -> torch.Tensor:
+def logprob_pass(
+    model: Any, batch: Batch, temperature: float, size: int, packing: bool, kernels: HeadKernels = HeadKernels()
+) -> torch.Tensor:
     """(B, R) log-probs of every row's response under ``model``, without gradient (the reference and pi_old)."""
-    forward = lambda rows, width, packed: policy_forward(model, batch, rows, temperature, "none", width, packed)[0]
+    forward = lambda rows, width, packed: policy_forward(  # noqa: E731
+        model, batch, rows, temperature, "none", width, packed, kernels
+    )[0]
     return full_pass(forward, batch, size, packing)
 
 
@@ -417,6 +447,7 @@ def actor_loss_fn(
     max_len: int,
     is_correction: str = "none",
     is_threshold: float = 2.0,
+    kernels: HeadKernels = HeadKernels(),
 ) -> LossFn:
     """The actor's micro-batch loss: policy loss + kl_loss_coef * KL - entropy_coef * entropy, each aggregated.
 
@@ -445,7 +476,7 @@ def actor_loss_fn(
         packed: PackedRows | None = None,
     ) -> LossPart:
         entropy_mode = "loss" if alg.entropy_coef > 0 else "metric"
-        logprobs, entropy = policy_forward(model, batch, rows, temperature, entropy_mode, width, packed)
+        logprobs, entropy = policy_forward(model, batch, rows, temperature, entropy_mode, width, packed, kernels)
         # one update per rollout batch: the old policy IS the current one, so no extra forward was spent
         old = batch.old_logprobs[rows] if batch.old_logprobs is not None else logprobs.detach()
         mask = batch.loss_mask[rows]
