@@ -65,9 +65,14 @@ class Prefetch:
     def launch(self, round_: Round, generate: Callable[[Round], Round]) -> None:
         assert self.pending is None, "one round in flight at a time"
         future: Future = Future()
+        device = _current_cuda_device()
 
         def work() -> None:
             try:
+                if device is not None:  # the current CUDA device is per thread: a new one starts on device 0
+                    import torch
+
+                    torch.cuda.set_device(device)
                 future.set_result(generate(round_))
             except BaseException as exc:  # re-raised on the main thread by take()
                 future.set_exception(exc)
@@ -98,3 +103,13 @@ class Prefetch:
         if self.pending is not None:
             self.pending[1].exception()
             self.pending = None
+
+
+def _current_cuda_device() -> int | None:
+    """This thread's CUDA device, or None without CUDA (torch imported only where it is already loaded)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.current_device()
