@@ -169,7 +169,9 @@ def policy_forward(
         picked = select_rows(hidden[0], packed.keep) if packed is not None else hidden[:, -(width_r + 1) : -1]
         flat = picked.reshape(-1, picked.shape[-1])
         flat = flat / temperature if temperature != 1.0 else flat  # (h / T) @ W.T = logits / T
-        logprobs = linear_token_logprobs(flat, head.weight, targets.reshape(-1), kernels=kernels).view(targets.shape)
+        # detached without gradient: Liger's kernel forms the weight's gradient in its forward when it requires one
+        weight = head.weight if torch.is_grad_enabled() else head.weight.detach()
+        logprobs = linear_token_logprobs(flat, weight, targets.reshape(-1), kernels=kernels).view(targets.shape)
         ent = None if entropy == "none" else linear_entropy(flat.detach(), head.weight).view(targets.shape)
     else:
         if packed is not None:  # logits only at the positions that predict response tokens
