@@ -176,9 +176,8 @@ def build_accelerator(cfg: RunConfig) -> Accelerator:
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=cfg.train.grad_accum_steps, sync_with_dataloader=False
         ),
-        # on a GPU the loaders pin their batches and copy them without waiting: a copy from pageable memory makes the
-        # host wait until the GPU has finished all queued work (the previous step), once per batch tensor, so the
-        # GPU idled while the host launched each step (bench/sync_probe.py counted 3.5 such waits per sft step)
+        # on a GPU the loaders pin their batches and copy them without waiting: a copy from pageable memory waits
+        # for all queued GPU work, once per batch tensor (3.5 waits per sft step: bench/sync_probe.py)
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=torch.cuda.is_available()),
         log_with=trackers or None,
         # our schedule counts optimizer steps of the global batch: one scheduler step per optimizer step (Accelerate
