@@ -357,3 +357,10 @@ def test_bundled_deepspeed_configs_fill_from_the_run(strategy: str):
 def test_sharded_strategies_are_refused_on_cpu_before_anything_is_written(sft_config: dict, tmp_path: Path):
     """On CPU Accelerate would quietly run DDP instead of DeepSpeed/FSDP: one message, exit 2, nothing written."""
     expect_train_error(tmp_path, {**sft_config, "distributed": {"strategy": "zero2"}}, "needs GPUs", "use ddp")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only")
+def test_flex_attention_is_refused_on_cpu_before_anything_is_written(sft_config: dict, tmp_path: Path):
+    """torch's FlexAttention has no backward on CPU (it would fail at the first step with a traceback)."""
+    cfg = {**sft_config, "model": {**sft_config["model"], "attn_implementation": "flex_attention"}}
+    expect_train_error(tmp_path, cfg, "flex_attention needs a GPU to train", "use sdpa")

@@ -55,7 +55,8 @@ def check_run(run: RunConfig, here: bool = False) -> list[str]:
     line, since the file may be for another machine; with ``here`` (the run starts on this machine, as from the
     WebUI) it is the error train would stop with."""
     from rlfactory.engine import run_dir
-    from rlfactory.engine.shared import check_deepspeed_file, environment_problems
+    from rlfactory.engine.environment import environment_problems
+    from rlfactory.engine.shared import check_deepspeed_file
 
     label = f"[{run.name or run.stage}]"
     check_deepspeed_file(run)

@@ -18,7 +18,8 @@ from typing import Any
 from rlfactory.config.loader import dump_config
 from rlfactory.config.schema import EvaluationConfig, RunConfig
 from rlfactory.engine import run_dir
-from rlfactory.engine.shared import check_deepspeed_file, check_strategy, environment_problems, process_state
+from rlfactory.engine.environment import environment_problems
+from rlfactory.engine.shared import check_deepspeed_file, check_strategy, process_state
 from rlfactory.errors import UserError
 
 log = logging.getLogger(__name__)

@@ -83,7 +83,7 @@ def _runs(config: Any) -> list[Any]:
 def read_example(path: Path, shown: str) -> Example:
     """One example file: its stages, the models it starts from and what this machine lacks (first problem only)."""
     from rlfactory.config.loader import read_yaml, validate_config
-    from rlfactory.engine.shared import environment_problems
+    from rlfactory.engine.environment import environment_problems
 
     text = path.read_text(encoding="utf-8")
     raw = read_yaml(path)
