@@ -29,7 +29,7 @@ from rlfactory.config.schema import RunConfig
 from rlfactory.engine import health, run_dir, shared
 from rlfactory.engine.offline import TrainResult
 from rlfactory.engine.online.overlap import Prefetch
-from rlfactory.engine.online.phases import LoopState, Run, step, trace_rows
+from rlfactory.engine.online.phases import LoopState, Run, step, sync_sampler, trace_rows
 from rlfactory.engine.online.ranks import Ranks
 from rlfactory.engine.online.update import Updater
 from rlfactory.errors import RunStopped, UserError
@@ -237,9 +237,7 @@ def engine_current(run: Run) -> None:
     if run.prefetch is None or run.sampler is not run.rollouts:
         return
     run.prefetch.finish()
-    if run.sampler_version != run.state.step:
-        run.rollouts.sync_weights(run.accelerator.unwrap_model(run.actor.model))
-        run.sampler_version = run.state.step
+    sync_sampler(run, run.state.step)
 
 
 def validate(run: Run) -> tuple[dict[str, float], list[dict]]:

@@ -100,9 +100,8 @@ class Prefetch:
 
     def wait(self) -> None:
         """Let a pending round finish (its result is dropped): before the sampler is closed at the end of a run."""
-        if self.pending is not None:
-            self.pending[1].exception()
-            self.pending = None
+        self.finish()
+        self.pending = None
 
 
 def _current_cuda_device() -> int | None:

@@ -455,15 +455,21 @@ def zero_advantage_groups(samples: list[Rollout]) -> dict[str, float]:
     return {"rollout/zero_adv_groups": sum(len(s) == 1 for s in scores.values()) / len(scores)}
 
 
+def sync_sampler(run: Run, version: int) -> None:
+    """The overlapped sampler takes the policy's weights after ``version`` steps, unless it has them already (call
+    only while it generates nothing)."""
+    if run.sampler is not None and run.sampler_version != version:
+        with run.timer("sync"):
+            run.sampler.sync_weights(run.accelerator.unwrap_model(run.actor.model))
+        run.sampler_version = version
+
+
 def prefetch_next(run: Run, index: int) -> None:
     """rollout.overlap: sync the idle sampler to the policy's weights (the ``index`` steps done so far), then launch
     the next step's first round on it in the thread; this step trains on while it generates."""
     ro = run.cfg.rollout
     assert run.prefetch is not None and run.sampler is not None
-    if run.sampler_version != index:
-        with run.timer("sync"):
-            run.sampler.sync_weights(run.accelerator.unwrap_model(run.actor.model))
-        run.sampler_version = index
+    sync_sampler(run, index)
     round_ = draw_round(run, run.ranks.round_up(ro.prompts_per_step), ro.num_samples)
     params, sampler, autocast = SamplingParams.from_rollout(ro), run.sampler, run.accelerator.autocast
     run.prefetch.launch(round_, lambda r: generate_round(sampler, r, params, autocast))
