@@ -19,8 +19,9 @@ emit the end-of-turn token (1 in 151,936 per token), so GRPO completions run to 
 - trl:    TRL's GRPOTrainer on the same model, data, batch and lengths: LoRA r=16 all-linear, use_vllm +
           vllm_mode colocate, beta 0, 16 completions per micro-batch x 4 accumulation steps = one generation of
           8 prompts x 8 samples per optimizer step, ignore_eos; TRL's other defaults (gradient checkpointing,
-          vLLM importance-sampling correction, so its extra no-grad log-prob pass). ``--trl-no-gc`` adds a run
-          without gradient checkpointing.
+          vLLM importance-sampling correction, so its extra no-grad log-prob pass). ``--trl-runs`` names TRL
+          variants (``nogc``, ``micro64``, ``nois``, ``liger`` joined by ':'); the table's ratio is against the
+          fastest TRL run of the call. ``--trl-no-gc`` is ``--trl-runs default,nogc``.
 - memory: the ``--sleep-runs`` pairs again with enable_sleep_mode (peak device memory vs the same grpo run).
 - ``--var-lengths 32:1024 --tokens 1024``: every case again with variable response lengths: each sample's
           max_tokens drawn from 32..1024 (``--length-seed``), the same draw for ours and TRL (``vary_lengths``
@@ -423,7 +424,10 @@ def case_trl(args, model_dir: Path) -> dict:
         def on_log(self, a, state, control, logs=None, **k):
             records.append(dict(logs or {}))
 
-    micro = min(16, args.grpo_prompts * args.samples)  # as ours: micro-batches of 16 completions
+    # TRL's switches (--trl-runs fields): nogc = no gradient checkpointing, micro64 = 64 completions per forward,
+    # nois = vllm_importance_sampling_correction off (no extra no-grad log-prob pass), liger = Liger's GRPO loss
+    variant = set(args.trl_variant.split(":")) - {"default", ""}
+    micro = min(64 if "micro64" in variant else 16, args.grpo_prompts * args.samples)
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(),
         max_steps=args.steps,
@@ -439,7 +443,9 @@ def case_trl(args, model_dir: Path) -> dict:
         save_strategy="no",
         report_to=[],
         bf16=cuda,
-        gradient_checkpointing=not args.trl_no_gc,
+        gradient_checkpointing="nogc" not in variant,
+        vllm_importance_sampling_correction="nois" not in variant,
+        use_liger_kernel="liger" in variant,
         model_init_kwargs={"dtype": "bfloat16" if cuda else "float32"},
         use_vllm=cuda,
         vllm_mode="colocate",
@@ -472,7 +478,9 @@ def case_trl(args, model_dir: Path) -> dict:
         "case": args.case,
         "impl": "trl",
         "gpus": world,
-        "gradient_checkpointing": not args.trl_no_gc,
+        "gradient_checkpointing": "nogc" not in variant,
+        "variant": args.trl_variant,
+        "micro": micro,
         "steps": len(clock.intervals[args.warmup :]),
         "step_s": round(step_s, 4) if step_s else None,
         "gen_tokens_per_s": round(world * args.grpo_prompts * args.samples * length / step_s, 1) if step_s else None,
@@ -523,7 +531,7 @@ def table(results: list[dict]) -> str:
                 )
         lines.append("")
     steps = [r for r in results if r.get("case") in ("grpo", "memory", "trl") and r.get("step_s")]
-    trl = next((r for r in steps if r["impl"] == "trl" and r.get("gradient_checkpointing")), None)
+    trl = min((r for r in steps if r["impl"] == "trl"), key=lambda r: r["step_s"], default=None)  # TRL's fastest
     if steps:
         lines += [
             "| run | step s | gen tokens/s | ours/TRL | peak GB | logprob diff mean / max | breakdown s |",
@@ -531,7 +539,7 @@ def table(results: list[dict]) -> str:
         ]
         for r in steps:
             if r["impl"] == "trl":
-                name = "TRL GRPOTrainer" + ("" if r.get("gradient_checkpointing") else " (no grad. ckpt)")
+                name = f"TRL GRPOTrainer ({r.get('variant', 'default')}, micro {r.get('micro', 16)})"
                 name += f", {r['gpus']} GPUs" if r.get("gpus", 1) > 1 else ""
                 parts = {k: r[f"trl_s/{k}"] for k in TRL_BREAKDOWN if r.get(f"trl_s/{k}") is not None}
                 diff = "-"
@@ -575,6 +583,15 @@ def main() -> None:
     parser.add_argument("--gpu-mem", type=float, default=0.3, help="vLLM gpu_memory_utilization (both)")
     parser.add_argument("--eager", action="store_true", help="vLLM without CUDA graphs (faster start)")
     parser.add_argument("--trl-no-gc", action="store_true", help="trl: also a run without gradient checkpointing")
+    parser.add_argument(
+        "--trl-runs",
+        default="default",
+        help="trl: TRL GRPOTrainer variants, comma-separated, each fields joined by ':' from nogc (no gradient "
+        "checkpointing), micro64 (64 completions per micro-batch), nois (vllm_importance_sampling_correction off), "
+        "liger (use_liger_kernel), or default; the ratio is against the fastest",
+    )
+    parser.add_argument("--gen-impls", default="vllm,hf", help="gen: backends to time")
+    parser.add_argument("--trl-variant", default="default", help=argparse.SUPPRESS)
     parser.add_argument("--impl", default=None, help="grpo/memory: rollout backend (vllm; hf for CPU smoke)")
     parser.add_argument(
         "--gpus", type=int, default=1, help="grpo/trl: GPUs (data parallel, one colocated vLLM engine each)"
@@ -611,8 +628,12 @@ def main() -> None:
     runs = []
     cases = args.cases.split(",")
     # the side-by-side speed runs first: what a cut-off call still brings back
-    if "trl" in cases:
-        runs += [["--case", "trl"]]
+    trl_runs = [v for v in args.trl_runs.split(",") if v] + (["nogc"] if args.trl_no_gc else [])
+    unknown = {f for v in trl_runs for f in v.split(":")} - {"default", "nogc", "micro64", "nois", "liger"}
+    if unknown:
+        parser.error(f"unknown --trl-runs field(s) {sorted(unknown)}: use default, nogc, micro64, nois, liger")
+    if "trl" in cases:  # the first TRL variant first: what a cut-off call still brings back
+        runs += [["--case", "trl", "--trl-variant", trl_runs[0]]]
     # "sync:micro" plus optional fields ":compile" (train.torch_compile) and ":overlap" (rollout.overlap)
     pairs = lambda text: [(p.split(":")[0], p.split(":")[1], p.split(":")[2:]) for p in text.split(",") if p]
     unknown = {e for text in (args.grpo_runs, args.sleep_runs) for _, _, extras in pairs(text) for e in extras}
@@ -624,15 +645,15 @@ def main() -> None:
         runs += [
             ["--case", "grpo", "--impl", impl, "--sync", s, "--micro", m, *flag(c)] for s, m, c in pairs(args.grpo_runs)
         ]
-    if "trl" in cases and args.trl_no_gc:
-        runs += [["--case", "trl", "--trl-no-gc"]]
+    if "trl" in cases:
+        runs += [["--case", "trl", "--trl-variant", v] for v in trl_runs[1:]]
     if "memory" in cases:  # the same runs with sleep mode (sleep off: the grpo runs)
         runs += [
             ["--case", "memory", "--impl", impl, "--sync", s, "--micro", m, "--sleep", *flag(c)]
             for s, m, c in pairs(args.sleep_runs)
         ]
     if "gen" in cases:
-        runs += [["--case", "gen", "--impl", i] for i in ("vllm", "hf")]
+        runs += [["--case", "gen", "--impl", i] for i in args.gen_impls.split(",")]
     keep = ("prompts", "grpo_prompts", "samples", "tokens", "steps", "warmup", "repeats", "gpu_mem", "gpus")
     passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keep]
     passthrough += ["--eager"] if args.eager else []
@@ -655,10 +676,11 @@ def main() -> None:
             with open(args.log, "a") as f:
                 f.write(f"===== {' '.join(extra)} ({wall} s, exit {code})\n{stdout}\n----- stderr\n{stderr}\n")
         lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
-        if code != 0 or not lines:
+        if not lines:
             result = {"run": extra, "error": stderr[-2500:], "wall_s": wall}
-        else:
+        else:  # a case that printed its result and then failed or hung on its way out still counts, marked
             result = {**json.loads(lines[-1].removeprefix("RESULT ")), "wall_s": wall}
+            result.update({"exit_after_result": code, "stderr_tail": stderr[-600:]} if code != 0 else {})
         results.append(result)
         line = json.dumps(result)
         print(line if "error" not in result else line[-3000:], flush=True)

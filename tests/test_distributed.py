@@ -364,3 +364,22 @@ def test_flex_attention_is_refused_on_cpu_before_anything_is_written(sft_config:
     """torch's FlexAttention has no backward on CPU (it would fail at the first step with a traceback)."""
     cfg = {**sft_config, "model": {**sft_config["model"], "attn_implementation": "flex_attention"}}
     expect_train_error(tmp_path, cfg, "flex_attention needs a GPU to train", "use sdpa")
+
+
+def test_a_one_process_group_ends_without_a_barrier(tmp_path: Path, monkeypatch):
+    """vLLM's in-process engine sets up a group of one process in a one-GPU run; a barrier there was the group's
+    first collective (on NCCL: a communicator built at the run's very end, which hung an H200 grpo run after its
+    save). Nothing to wait for: the group is closed (gloo) without one."""
+    from rlfactory.launch import close_process_group
+
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    barriers: list[int] = []
+    monkeypatch.setattr(torch.distributed, "barrier", lambda *a, **k: barriers.append(1))
+    try:
+        close_process_group(finished=True)
+        assert barriers == []
+        assert not torch.distributed.is_initialized()  # a gloo group is still torn down (its worker threads)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -83,12 +83,17 @@ def close_process_group(finished: bool = True) -> None:
     that releases the last collective's tensor takes the GIL during finalization and the rank aborts
     ("terminate called without an active exception"; its native stack: ProcessGroupGloo::runLoop ->
     TensorImpl::decref_pyobject -> PyEval_AcquireThread -> pthread_exit). An NCCL group is left to the exit:
-    destroying it could wait on a collective that a peer never joins."""
+    destroying it could wait on a collective that a peer never joins.
+
+    A group of one process (vLLM's in-process engine sets one up in a single-process run) has no peer to wait
+    for: no barrier there. On an NCCL group the barrier was the group's first collective, so it created an NCCL
+    communicator at the very end of the run; on an H200 with the colocated vLLM engine that hung a one-GPU grpo
+    run after its model was saved (2 of 2 adapter-sync bench runs, docs/BENCHMARKS.md, twentieth session)."""
     import sys
 
     torch = sys.modules.get("torch")  # not imported: nothing was set up
     if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
-        if finished:
+        if finished and torch.distributed.get_world_size() > 1:
             torch.distributed.barrier()
         elif torch.distributed.get_backend() != "gloo":
             return
