@@ -194,7 +194,7 @@ def test_the_online_step_samples_with_every_setting_of_the_rollout_config(tmp_pa
     try:
         run = build_run(cfg, load_model(cfg.model, cfg.lora, cfg.freeze), tokenizer, prompts, [])
         run.rollouts.backend = recording = RecordingBackend(run.rollouts.backend)
-        kept, generated, _ = collect(run)
+        kept, generated, _ = collect(run, 0)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)  # a process-wide singleton: leave none behind
     assert len(generated) == 4 and recording.params == [SamplingParams(max_tokens=8, **SETTINGS)]

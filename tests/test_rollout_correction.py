@@ -117,3 +117,18 @@ def test_is_correction_needs_a_separate_sampler():
         RunConfig.model_validate(_grpo(is_correction="token_mask"))
     cfg = RunConfig.model_validate(_grpo(backend="vllm", is_correction="seq_truncate", lora_sync="merged"))
     assert cfg.rollout is not None and cfg.rollout.lora_sync == "merged"
+
+
+def test_is_correction_needs_the_sampler_log_probs_on_every_step():
+    with pytest.raises(ValueError, match=r"mismatch_every: 3 asks for them on one step in 3 only; set rollout"):
+        RunConfig.model_validate(_grpo(backend="vllm", is_correction="token_truncate", mismatch_every=3))
+    cfg = RunConfig.model_validate(_grpo(backend="vllm", mismatch_every=3))
+    assert cfg.rollout.mismatch_every == 3
+
+
+def test_the_sampler_is_asked_for_log_probs_on_every_nth_step():
+    from rlfactory.engine.online.phases import step_sampling
+
+    ro = RunConfig.model_validate(_grpo(backend="vllm", mismatch_every=3)).rollout
+    assert [step_sampling(ro, i).logprobs for i in range(7)] == [True, False, False, True, False, False, True]
+    assert step_sampling(ro, 1).max_tokens == ro.max_response_len  # the rest of the settings as from_rollout

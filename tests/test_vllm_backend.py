@@ -185,6 +185,24 @@ def test_grpo_run_with_vllm(tmp_path: Path, mode: str, correction: str):
     assert (out / "adapter_config.json").is_file()
 
 
+def test_mismatch_every_asks_vllm_for_log_probs_on_those_steps_only(tmp_path: Path):
+    """rollout.mismatch_every: 2: steps 1 and 3 ask the engine for the sampled tokens' log-probs (the mismatch is
+    logged and matches the trainer), steps 2 and 4 do not (vLLM skips its log-softmax; no mismatch metrics)."""
+    cfg = _cfg("merged", tmp_path)
+    cfg["rollout"]["mismatch_every"] = 2
+    cfg["train"] = {"max_steps": 4, "per_device_batch_size": 8, "learning_rate": 1e-2}
+    result = run_cli("train", str(write_yaml(tmp_path / "run.yaml", cfg)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = [r for r in read_log(Path(cfg["output_dir"])) if "score/mean" in r]
+    assert [("rollout/logprob_diff_mean" in r, "rollout/ratio_over_cap" in r) for r in steps] == [
+        (True, True),
+        (False, False),
+        (True, True),
+        (False, False),
+    ]
+    assert all(r["rollout/logprob_diff_mean"] < MEAN_DIFF for r in steps[::2])
+
+
 def test_grpo_run_with_overlap_on_vllm(tmp_path: Path):
     """The real CLI with rollout.overlap on the vLLM engine (LoRA adapter sync): validation before, between and after
     the steps (the engine finishes the pending round and takes the current weights first), one step stale from

@@ -175,6 +175,12 @@ class RunConfig(Section):
                     "rollout.backend: vllm or rollout.overlap: true (the hf backend otherwise samples with the policy "
                     "itself); set it to none"
                 )
+            if self.rollout.mismatch_every > 1 and self.rollout.is_correction != "none":
+                raise ValueError(
+                    f"rollout.is_correction '{self.rollout.is_correction}' weights every step by the sampler's "
+                    f"log-probs, but rollout.mismatch_every: {self.rollout.mismatch_every} asks for them on one step "
+                    f"in {self.rollout.mismatch_every} only; set rollout.mismatch_every: 1 or is_correction: none"
+                )
             if self.rollout.overlap and self.rollout.backend == "vllm" and self.rollout.enable_sleep_mode:
                 raise ValueError(
                     "rollout.overlap: true keeps the vLLM engine generating through the update, so it cannot sleep "

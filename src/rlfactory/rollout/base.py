@@ -32,6 +32,7 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     ignore_eos: bool = False
+    logprobs: bool = True  # a separate sampler (vLLM) returns the sampled tokens' log-probs (rollout.mismatch_every)
 
     @classmethod
     def from_rollout(cls, ro: RolloutConfig, max_tokens: int | None = None) -> SamplingParams:

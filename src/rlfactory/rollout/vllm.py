@@ -128,10 +128,12 @@ def process_place() -> tuple[int, int]:
 
 
 def vllm_sampling(vllm: Any, params: SamplingParams, n: int, stop_ids: list[int]) -> Any:
-    """Our sampling settings as vLLM's, returning the sampled token's log-prob (logprobs=0)."""
+    """Our sampling settings as vLLM's, returning the sampled token's log-prob (logprobs=0) unless
+    ``params.logprobs`` is off."""
     greedy = params.temperature <= 0
     # plain float lists, not a dict + Logprob object per token (vLLM's per-step CPU time), where vLLM has them
-    flat = {"flat_logprobs": True} if "flat_logprobs" in getattr(vllm.SamplingParams, "__struct_fields__", ()) else {}
+    flat_known = "flat_logprobs" in getattr(vllm.SamplingParams, "__struct_fields__", ())
+    flat = {"flat_logprobs": True} if flat_known and params.logprobs else {}
     return vllm.SamplingParams(
         n=n,
         temperature=0.0 if greedy else params.temperature,
@@ -141,7 +143,7 @@ def vllm_sampling(vllm: Any, params: SamplingParams, n: int, stop_ids: list[int]
         max_tokens=params.max_tokens,
         stop_token_ids=None if params.ignore_eos else list(stop_ids),
         ignore_eos=True,  # only the end-of-turn token(s) stop a sample (as the hf backend)
-        logprobs=0,
+        logprobs=0 if params.logprobs else None,
         detokenize=False,
         **flat,
     )

@@ -34,7 +34,7 @@ import random
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -227,7 +227,13 @@ def generate_and_score(
     return score_round(run, round_)
 
 
-def collect(run: Run) -> tuple[list[Rollout], list[Rollout], dict[str, int]]:
+def step_sampling(ro: Any, index: int) -> SamplingParams:
+    """The rollout section's sampling settings for step ``index`` (0-based): the sampler's log-probs on every
+    ``rollout.mismatch_every``-th step, starting with the first."""
+    return replace(SamplingParams.from_rollout(ro), logprobs=index % ro.mismatch_every == 0)
+
+
+def collect(run: Run, index: int) -> tuple[list[Rollout], list[Rollout], dict[str, int]]:
     """(trained samples, all generated samples, reward failures), each of every rank.
 
     Dynamic sampling prefers groups whose rewards are not all equal (an all-equal group has zero advantage: nothing
@@ -240,7 +246,7 @@ def collect(run: Run) -> tuple[list[Rollout], list[Rollout], dict[str, int]]:
     """
     ro = run.cfg.rollout
     assert ro is not None
-    params = SamplingParams.from_rollout(ro)
+    params = step_sampling(ro, index)
     informative: list[Rollout] = []
     uninformative: list[Rollout] = []
     generated: list[Rollout] = []
@@ -471,7 +477,7 @@ def prefetch_next(run: Run, index: int) -> None:
     assert run.prefetch is not None and run.sampler is not None
     sync_sampler(run, index)
     round_ = draw_round(run, run.ranks.round_up(ro.prompts_per_step), ro.num_samples)
-    params, sampler, autocast = SamplingParams.from_rollout(ro), run.sampler, run.accelerator.autocast
+    params, sampler, autocast = step_sampling(ro, index + 1), run.sampler, run.accelerator.autocast
     run.prefetch.launch(round_, lambda r: generate_round(sampler, r, params, autocast))
 
 
@@ -481,7 +487,7 @@ def step(run: Run, index: int) -> StepResult:
     if run.prefetch is None:
         run.sampler_version = index  # the policy itself generates (or vLLM, synced after every update)
     with run.timer("step"):
-        samples, generated, failures = collect(run)
+        samples, generated, failures = collect(run, index)
         if run.prefetch is not None and index + 1 < run.total_steps:
             prefetch_next(run, index)
         batch = to_batch(run, samples)
