@@ -276,8 +276,8 @@ def _grpo_cfg(args, model_dir: Path, out: Path, backend: str, sync: str, sleep: 
             "finetuning": "lora",
             "dtype": "bfloat16" if torch.cuda.is_available() else "float32",
             "gradient_checkpointing": False,
-            # :flex: flex attention, whose block mask skips a packed row's cross-sample blocks (rollout.packing auto
-            # packs with it); sdpa, the default, stays padded
+            # :flex: flex attention, whose block mask skips a packed row's cross-sample blocks (one packed row per
+            # micro-batch); sdpa, the default, packs rows as long as the longest sample (:padded: no packing)
             **({"attn_implementation": "flex_attention"} if args.flex else {}),
         },
         "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear", "dropout": 0.0},
@@ -294,6 +294,7 @@ def _grpo_cfg(args, model_dir: Path, out: Path, backend: str, sync: str, sleep: 
             "enforce_eager": args.eager,
             "generation_batch_size": 512,
             "overlap": args.overlap,
+            "packing": "off" if args.padded else "auto",
         },
         "reward": {"functions": {"answer_match": 1.0}},
         # data parallel: one colocated engine per GPU, the same prompts per GPU (the step's prompts are split)
@@ -353,6 +354,7 @@ def case_grpo(args, model_dir: Path) -> dict:
         "compile": args.compile,
         "overlap": args.overlap,
         "flex": args.flex,
+        "padded": args.padded,
         "exit": code,
         "gpus": args.gpus,
         "log_step_s": log_step_s,
@@ -549,6 +551,7 @@ def table(results: list[dict]) -> str:
                 name += " +compile" if r.get("compile") else ""
                 name += " +overlap" if r.get("overlap") else ""
                 name += " +flex (packed)" if r.get("flex") else ""
+                name += " +padded" if r.get("padded") else ""
                 parts = {k: r[f"timing_s/{k}"] for k in BREAKDOWN if r.get(f"timing_s/{k}") is not None}
                 mean, mx = r.get("rollout/logprob_diff_mean"), r.get("rollout/logprob_diff_max")
                 diff = f"{mean:.2e} / {mx:.2e}" if mean is not None else "-"
@@ -576,7 +579,8 @@ def main() -> None:
         "--grpo-runs",
         default="adapter:16,adapter:64,merged:64",
         help="grpo: lora_sync:micro-batch pairs (train.per_device_batch_size; 16 = TRL's micro-batch here); "
-        "more fields: :compile adds train.torch_compile, :overlap rollout.overlap, :flex flex attention with packed "
+        "more fields: :compile adds train.torch_compile, :overlap rollout.overlap, :padded rollout.packing off, "
+        ":flex flex attention with packed "
         "updates (e.g. adapter:64:compile:overlap)",
     )
     parser.add_argument("--sleep-runs", default="adapter:64,merged:64", help="memory: the same, with sleep mode")
@@ -617,6 +621,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--overlap", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--flex", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--padded", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -637,7 +642,7 @@ def main() -> None:
     # "sync:micro" plus optional fields ":compile" (train.torch_compile) and ":overlap" (rollout.overlap)
     pairs = lambda text: [(p.split(":")[0], p.split(":")[1], p.split(":")[2:]) for p in text.split(",") if p]
     unknown = {e for text in (args.grpo_runs, args.sleep_runs) for _, _, extras in pairs(text) for e in extras}
-    fields = {"compile", "overlap", "flex"}
+    fields = {"compile", "overlap", "flex", "padded"}
     if unknown - fields:
         parser.error(f"unknown run field(s) {sorted(unknown - fields)}: use {sorted(fields)}")
     flag = lambda extras: [f"--{e}" for e in extras]

@@ -101,7 +101,9 @@ def run_case(name: str, algorithm: dict, out: Path) -> None:
     from rlfactory.model.value_head import load_value_model
 
     algorithm = dict(algorithm)
+    # padded unless the case packs (auto would pack transformers' own models)
     rollout = {"prompts_per_step": 4, "num_samples": 2, "max_response_len": MAX_LEN, "mask_truncated": True}
+    rollout["packing"] = "off"
     rollout.update(algorithm.pop("rollout", {}))
     raw = {
         "stage": "grpo",
@@ -140,7 +142,7 @@ def run_case(name: str, algorithm: dict, out: Path) -> None:
     metrics.update(update_metrics)
     metrics["kl_coef_after"] = run.kl_ctrl.value
     metrics["rows"] = float(len(batch))
-    metrics["packed"] = float(run.actor.packing and (run.critic is None or run.critic.packing))
+    metrics["packed"] = float(bool(run.actor.packing) and (run.critic is None or bool(run.critic.packing)))
     every = run.ranks.gather_objects([metrics])
     if run.accelerator.is_main_process:
         after = trainable(run)

@@ -64,8 +64,11 @@ def batch():
     return packed
 
 
-def _packed(batch, rows: list[int]) -> PackedRows:
-    return packed_micro_batch(batch, *host_lengths(batch), rows)
+def _packed(batch, rows: list[int], layout: str = "row") -> PackedRows:
+    return packed_micro_batch(batch, *host_lengths(batch), rows, layout)
+
+
+LAYOUTS = pytest.mark.parametrize("layout", ["row", "rows"])  # one row (flash / flex), rows (sdpa / eager)
 
 
 def test_a_packed_row_holds_exactly_the_real_tokens(batch):
@@ -87,13 +90,38 @@ def test_a_packed_row_holds_exactly_the_real_tokens(batch):
     assert [int((placed[r] > 0).sum()) for r in range(4)] == [len(COMPLETIONS[i].token_ids) for i in rows]
 
 
-def test_packed_logprobs_and_entropy_equal_padded_ones(model, batch):
+def test_rows_as_long_as_the_longest_sample_hold_each_sample_whole(batch):
+    """The "rows" layout (sdpa / eager): samples first fit, longest first, into rows as long as the longest sample
+    (rounded up to a multiple of 8 columns); each sample's tokens contiguous in one row with its own position ids,
+    a row's tail its own positions; the kept positions predict exactly each sample's response tokens."""
+    rows = [0, 1, 2, 3, 4, 5]
+    packed = _packed(batch, rows, "rows")
+    inputs = packed.inputs(batch, torch.tensor(rows))
+    ids, positions = inputs["input_ids"], inputs["position_ids"]
+    assert ids.shape == positions.shape == (2, 136)  # 129 (the longest) rounded up; padded: 6 x 129
+    # row 0: the 129-token sample alone; row 1: the rest, in their order, then a tail of 136 - 77 = 59
+    lengths = [len(PROMPTS[i]) + len(COMPLETIONS[i].token_ids) for i in rows]
+    assert ids[0, :129].tolist() == PROMPTS[1] + COMPLETIONS[1].token_ids
+    rest = [i for i in rows if i != 1]
+    assert ids[1, :77].tolist() == [t for i in rest for t in PROMPTS[i] + COMPLETIONS[i].token_ids]
+    assert positions[0].tolist() == list(range(129)) + list(range(7))
+    assert positions[1].tolist() == [p for i in rest for p in range(lengths[i])] + list(range(59))
+    placed = packed.scatter(ids.reshape(-1)[packed.keep + 1].double(), batch)
+    for r in rows:  # each response token lands at its own row and column
+        n = len(COMPLETIONS[r].token_ids)
+        assert placed[r, :n].tolist() == [float(t) for t in COMPLETIONS[r].token_ids] and not placed[r, n:].any()
+
+
+@LAYOUTS
+def test_packed_logprobs_and_entropy_equal_padded_ones(model, batch, layout: str):
     """Per token, for every row of a micro-batch of lengths 0 to 120. Log-probs and entropies are float32 by design
     (``algos.common``), so the bound is a few float32 ulps of the value (measured: 0, bit for bit)."""
     rows = torch.arange(len(PROMPTS))
     with torch.no_grad():
         padded, padded_ent = policy_forward(model, batch, rows, 0.7, "metric")
-        packed, packed_ent = policy_forward(model, batch, rows, 0.7, "metric", packed=_packed(batch, rows.tolist()))
+        packed, packed_ent = policy_forward(
+            model, batch, rows, 0.7, "metric", packed=_packed(batch, rows.tolist(), layout)
+        )
     beyond = torch.arange(padded.shape[1])[None] >= batch.response_length[:, None]
     assert packed.shape == padded.shape and (packed[beyond] == 0).all() and (packed_ent[beyond] == 0).all()
     assert (packed - padded).abs().max() <= 4 * EPS32 * padded.abs().max()
@@ -114,7 +142,7 @@ def test_running_positions_change_the_numbers(model, batch):
     assert (right - wrong).abs().max() > 0.1
 
 
-@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("packing", [None, "row", "rows"], ids=["padded", "row", "rows"])
 def test_the_chunked_head_equals_the_full_logits(model, batch, packing, monkeypatch):
     """Without an entropy loss the head runs chunked on the response positions' hidden states (``linear_token_
     logprobs``: no (b, R, V) logits held to backward); with one it takes the full logits. Both give the same log-
@@ -126,7 +154,7 @@ def test_the_chunked_head_equals_the_full_logits(model, batch, packing, monkeypa
     real = update.linear_token_logprobs
     monkeypatch.setattr(update, "linear_token_logprobs", lambda *a, **k: chunked_calls.append(1) or real(*a, **k))
     rows = torch.arange(len(PROMPTS))
-    packed = _packed(batch, rows.tolist()) if packing else None
+    packed = _packed(batch, rows.tolist(), packing) if packing else None
 
     def run(entropy: str):
         model.zero_grad()
@@ -144,7 +172,8 @@ def test_the_chunked_head_equals_the_full_logits(model, batch, packing, monkeypa
     assert max(float(g.abs().max()) for g in full[2].values()) > 1e-3  # a gradient to compare
 
 
-def test_eager_attention_packs_exactly_too(batch):
+@LAYOUTS
+def test_eager_attention_packs_exactly_too(batch, layout: str):
     """eager builds the same block-diagonal mask from the position ids. In float32 (eager's padded rows are NaN in
     float64: a padding query row masked with float64's minimum overflows to -inf in its float32 softmax), where a
     different summation order moves a log-prob by a few float32 ulps of its size (measured: 2.3)."""
@@ -152,12 +181,14 @@ def test_eager_attention_packs_exactly_too(batch):
     rows = torch.arange(len(PROMPTS))
     with torch.no_grad():
         padded, padded_ent = policy_forward(model, batch, rows, 1.0, "metric")
-        packed, packed_ent = policy_forward(model, batch, rows, 1.0, "metric", packed=_packed(batch, rows.tolist()))
+        packed, packed_ent = policy_forward(
+            model, batch, rows, 1.0, "metric", packed=_packed(batch, rows.tolist(), layout)
+        )
     assert (packed - padded).abs().max() <= 32 * EPS32 * padded.abs().max()
     assert (packed_ent - padded_ent).abs().max() <= 32 * EPS32 * padded_ent.abs().max()
 
 
-def _loss_and_grads(model, batch, splits: list[list[int]], packing: bool, alg: AlgorithmConfig, critic=None):
+def _loss_and_grads(model, batch, splits: list[list[int]], packing: str | None, alg: AlgorithmConfig, critic=None):
     """The mini-batch loss summed over micro-batch parts (each packed or padded) and the gradients."""
     net = model if critic is None else critic
     if critic is None:
@@ -169,15 +200,16 @@ def _loss_and_grads(model, batch, splits: list[list[int]], packing: bool, alg: A
     total = 0.0
     for split in splits:
         pos = torch.tensor(split)
-        packed = _packed(batch, split) if packing else None
+        packed = _packed(batch, split, packing) if packing else None
         loss = loss_fn(mini[pos], pos, MiniBatch.local(mini, batch.loss_mask), None, packed).loss
         loss.backward()
         total += float(loss.detach())
     return total, [p.grad.clone() for p in net.parameters() if p.grad is not None]
 
 
+@LAYOUTS
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum-norm"])
-def test_packed_updates_give_the_padded_loss_and_gradients(model, batch, agg: str):
+def test_packed_updates_give_the_padded_loss_and_gradients(model, batch, agg: str, layout: str):
     """The actor's loss (policy loss + KL loss - entropy bonus, old != current) and every parameter's gradient,
     packed and padded, over the same micro-batches. The loss goes through float32 log-probs (a float32 ulp, as in
     test_stage_grpo's micro-batch test; measured: equal); gradients flow in float64: 1024 float64 ulps, relative
@@ -188,8 +220,8 @@ def test_packed_updates_give_the_padded_loss_and_gradients(model, batch, agg: st
     scored = replace(batch, old_logprobs=current.double() + 0.05 * batch.advantages, ref_logprobs=current.double())
     alg = AlgorithmConfig(adv_estimator="grpo", loss_agg=agg, kl_loss_coef=0.1, entropy_coef=0.01)
     splits = [[1, 5, 2], [0, 4, 3]]
-    padded, padded_grads = _loss_and_grads(model, scored, splits, False, alg)
-    packed, packed_grads = _loss_and_grads(model, scored, splits, True, alg)
+    padded, padded_grads = _loss_and_grads(model, scored, splits, None, alg)
+    packed, packed_grads = _loss_and_grads(model, scored, splits, layout, alg)
     assert packed == pytest.approx(padded, rel=4 * EPS32, abs=4 * EPS32) and padded != 0
     assert len(packed_grads) == len(list(model.parameters()))
     for a, b in zip(packed_grads, padded_grads, strict=True):
@@ -197,7 +229,8 @@ def test_packed_updates_give_the_padded_loss_and_gradients(model, batch, agg: st
         assert (a - b).abs().max() <= 1024 * EPS64 * b.abs().max()
 
 
-def test_packed_critic_values_loss_and_gradients_equal_padded_ones(model, batch):
+@LAYOUTS
+def test_packed_critic_values_loss_and_gradients_equal_padded_ones(model, batch, layout: str):
     """The critic (trunk + value head) on the packed row: its values, value loss and gradients (measured: values and
     loss equal, gradients 7.7e-16 relative)."""
     from rlfactory.model.value_head import ValueModel
@@ -207,18 +240,19 @@ def test_packed_critic_values_loss_and_gradients_equal_padded_ones(model, batch)
     rows = torch.arange(len(PROMPTS))
     with torch.no_grad():
         padded = value_forward(critic, batch, rows)
-        packed = value_forward(critic, batch, rows, packed=_packed(batch, rows.tolist()))
+        packed = value_forward(critic, batch, rows, packed=_packed(batch, rows.tolist(), layout))
     assert (packed - padded).abs().max() <= 1024 * EPS64 * padded.abs().max() and padded.abs().max() > 0
     alg = AlgorithmConfig(adv_estimator="gae")
-    loss, grads = _loss_and_grads(model, batch, [[0, 1, 2, 3, 4, 5]], False, alg, critic)
-    loss_packed, grads_packed = _loss_and_grads(model, batch, [[0, 1, 2, 3, 4, 5]], True, alg, critic)
+    loss, grads = _loss_and_grads(model, batch, [[0, 1, 2, 3, 4, 5]], None, alg, critic)
+    loss_packed, grads_packed = _loss_and_grads(model, batch, [[0, 1, 2, 3, 4, 5]], layout, alg, critic)
     assert loss_packed == pytest.approx(loss, rel=1024 * EPS64)
     for a, b in zip(grads_packed, grads, strict=True):
         assert (a - b).abs().max() <= 1024 * EPS64 * b.abs().max()
 
 
 def test_packing_setting(tmp_path):
-    """auto packs with the kernels that skip masked blocks, for transformers' own models only; on and off force it."""
+    """auto packs transformers' own models (one row with the kernels that skip masked blocks, rows as long as the
+    longest sample with sdpa / eager); on and off force it."""
     from rlfactory.config.schema import RunConfig
     from rlfactory.engine.online.loop import packing_on
 
@@ -234,7 +268,8 @@ def test_packing_setting(tmp_path):
             }
         )
 
-    assert packing_on(cfg("auto")) and packing_on(cfg("auto", "flex_attention")) and packing_on(cfg("on", "sdpa"))
-    assert not packing_on(cfg("auto", "sdpa")) and not packing_on(cfg("auto", "eager"))
-    assert not packing_on(cfg("auto", remote=True)) and packing_on(cfg("on", remote=True))
-    assert not packing_on(cfg("off"))
+    assert packing_on(cfg("auto")) == packing_on(cfg("auto", "flex_attention")) == "row"  # one row: blocks skipped
+    assert packing_on(cfg("on", "sdpa")) == packing_on(cfg("on", "eager")) == "rows"  # rows of the longest sample
+    assert packing_on(cfg("auto", "sdpa")) == packing_on(cfg("auto", "eager")) == "rows"
+    assert packing_on(cfg("auto", remote=True)) is None and packing_on(cfg("on", remote=True)) == "row"
+    assert packing_on(cfg("off")) is None

@@ -46,13 +46,14 @@ class RolloutConfig(Section):
     packing: Literal["auto", "on", "off"] = Field(
         "auto",
         description="Padding-free training passes: the reference / old log-prob passes, the critic's values and the "
-        "update run each micro-batch of rollouts as one row, samples back to back with position ids restarting at "
-        "each (the attention mask separates them: the same numbers as padded rows), so a batch of very different "
-        "lengths costs its real tokens, not rows x the longest. auto: on with model.attn_implementation "
-        "flash_attention_2 or flex_attention (they skip the masked blocks), off with sdpa / eager (they compute the "
-        "packed row's whole attention: a win only where the layers' matrix products, not attention, dominate) and for "
-        "a model with its own code (model.trust_remote_code), which may ignore packed position ids; on: always (only "
-        "for models whose attention builds its mask from position ids, as transformers' own models do); off: padded.",
+        "update run each micro-batch of rollouts packed, samples back to back with position ids restarting at each "
+        "(the attention mask separates them: the same numbers as padded rows), so a batch of very different lengths "
+        "costs about its real tokens, not rows x the longest. With model.attn_implementation flash_attention_2 or "
+        "flex_attention (they skip the masked blocks) a micro-batch is one row; with sdpa / eager (they compute a "
+        "row's whole attention) rows as long as the longest sample, so attention costs no more than padded. auto: "
+        "on, except for a model with its own code (model.trust_remote_code), which may ignore packed position ids; "
+        "on: always (only for models whose attention builds its mask from position ids, as transformers' own models "
+        "do); off: padded.",
     )
     overlap: bool = Field(
         False,

@@ -31,7 +31,7 @@ from rlfactory.engine.offline import TrainResult
 from rlfactory.engine.online.overlap import Prefetch
 from rlfactory.engine.online.phases import LoopState, Run, step, sync_sampler, trace_rows
 from rlfactory.engine.online.ranks import Ranks
-from rlfactory.engine.online.update import Updater
+from rlfactory.engine.online.update import PackLayout, Updater
 from rlfactory.errors import RunStopped, UserError
 from rlfactory.rewards.stack import FailureStreaks, RewardStack, score_metrics
 from rlfactory.rollout.agent import build_rollouts, episode_metrics
@@ -64,30 +64,33 @@ def _updater(accelerator: Accelerator, model: Any, lr: float, cfg: RunConfig, up
 
 
 # attention kernels that skip the masked blocks of a packed row (flash-attention's varlen, flex's block mask): packing
-# only removes work there. sdpa and eager compute the packed row's whole (N x N) attention and mask it afterwards,
-# which costs more than the padding it saves where attention dominates (the bundled model on CPU: 1.4-2x slower)
+# only removes work there, so a micro-batch is one row. sdpa and eager compute a row's whole attention and mask it
+# afterwards: one long row cost more than the padding it saved where attention dominates (the bundled model on CPU:
+# 0.15-0.30x padded's speed), so for them the samples go into rows no longer than the longest sample ("rows": 1.24-
+# 1.39x padded's speed there at lengths 32..1024 and 16..256, 1.00x at nearly equal lengths; bench/packed_update.py)
 SPARSE_ATTENTION = ("flash_attention_2", "flex_attention")
 
 
-def packing_on(cfg: RunConfig) -> bool:
-    """``rollout.packing``: whether micro-batches run as padding-free rows (``update.PackedRows``).
+def packing_on(cfg: RunConfig) -> PackLayout:
+    """``rollout.packing``: whether micro-batches run as padding-free rows (``update.PackedRows``), and how: one
+    row for a kernel in ``SPARSE_ATTENTION``, else rows as long as the longest sample (``update.PackLayout``).
 
     Exact wherever the model builds its attention mask from the position ids when none is given: transformers' own
     models do for every ``model.attn_implementation`` (sdpa / eager / flex: a block-diagonal mask; flash-attention:
-    varlen). auto packs where it only saves work: transformers' own models with a kernel in ``SPARSE_ATTENTION``; a
-    model with its own code may not separate packed samples at all, and stays padded."""
+    varlen). auto packs transformers' own models; a model with its own code may not separate packed samples at all,
+    and stays padded."""
     setting, model = cfg.rollout.packing, cfg.model
     if setting == "auto" and model.trust_remote_code:
         log.info(
             "rollout.packing auto: off, the model runs its own code (model.trust_remote_code), which may not separate "
             "packed samples; set rollout.packing: on if its attention builds the mask from position ids"
         )
-        return False
-    if setting == "auto" and model.attn_implementation not in SPARSE_ATTENTION:
-        return False
-    if setting != "off":
-        log.info("rollout.packing %s: micro-batches train as padding-free rows (their real tokens only)", setting)
-    return setting != "off"
+        return None
+    if setting == "off":
+        return None
+    layout = "row" if model.attn_implementation in SPARSE_ATTENTION else "rows"
+    log.info("rollout.packing %s: micro-batches train as padding-free %s (their real tokens)", setting, layout)
+    return layout
 
 
 def check_processes(accelerator: Accelerator, cfg: RunConfig) -> None:

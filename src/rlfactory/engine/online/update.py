@@ -22,7 +22,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -72,36 +72,58 @@ def _to_full_width(values: torch.Tensor, batch: Batch, rows: torch.Tensor) -> to
     return F.pad(values, (0, batch.responses.shape[1] - values.shape[1]))
 
 
+# How a packed micro-batch is laid out (``Updater.packing``; None: padded rows, as sampled).
+# "row": all samples in ONE row, for attention kernels that skip the masked blocks (flash-attention's varlen, flex).
+# "rows": samples first-fit into rows as long as the longest sample (its length rounded up to ALIGN_COLUMNS), for
+# sdpa / eager, which compute a row's whole attention and mask it: a row then costs at most one padded sample's
+# attention, while the matrix products run on about the real tokens (the rest is the rows' tails).
+PackLayout = Literal["row", "rows"] | None
+
+
 @dataclass(frozen=True)
 class PackedRows:
-    """A micro-batch as ONE padding-free row (``rollout.packing``; the contract is ``data.packing``'s module doc):
-    each sample's prompt + response back to back, position ids restarting at 0, no attention mask, so the forward
-    costs the micro-batch's real tokens only. Built on the host from the rows' lengths (no device sync)."""
+    """A micro-batch as padding-free rows (``rollout.packing``; the contract is ``data.packing``'s module doc): each
+    sample's prompt + response back to back, position ids restarting at 0, no attention mask, so the forward costs
+    the micro-batch's real tokens (and, with several rows, their tails). Built on the host from the rows' lengths
+    (no device sync)."""
 
-    gather: torch.Tensor  # (N,) flat indices into input_ids[rows] (b x (P+R)) of every real token, row by row
-    position_ids: torch.Tensor  # (1, N) restarting at each sample
-    keep: torch.Tensor  # (K,) positions of the packed row that predict a response token (K = sum of responses)
+    gather: torch.Tensor  # (n x L,) flat indices into input_ids[rows] (b x (P+R)) of each packed position's token
+    position_ids: torch.Tensor  # (n, L) restarting at each sample (and at a row's tail)
+    keep: torch.Tensor  # (K,) flat positions of the packed rows that predict a response token (K = sum of responses)
     place: torch.Tensor  # (K,) where each of them goes in the (b, width) response layout, flattened
     rows: int  # b
     width: int  # the micro-batch's longest response (>= 1)
 
     @classmethod
-    def build(cls, prompt: list[int], response: list[int], width_p: int, width_r: int) -> PackedRows:
+    def build(
+        cls, prompt: list[int], response: list[int], width_p: int, width_r: int, layout: PackLayout = "row"
+    ) -> PackedRows:
         """``prompt`` / ``response``: the rows' lengths; ``width_p`` / ``width_r``: the batch's prompt and response
-        columns (prompts are left-padded to ``width_p``, responses right-padded)."""
+        columns (prompts are left-padded to ``width_p``, responses right-padded); ``layout``: see ``PackLayout``."""
         from rlfactory.data.packing import document_positions
 
-        gather, keep, place, start = [], [], [], 0
-        width = max(1, *response) if response else 1
-        for row, (n_p, n_r) in enumerate(zip(prompt, response, strict=True)):
-            first = row * (width_p + width_r) + width_p - n_p
-            gather.append(torch.arange(first, first + n_p + n_r))
-            keep.append(torch.arange(start + n_p - 1, start + n_p + n_r - 1))  # position t predicts token t + 1
-            place.append(torch.arange(row * width, row * width + n_r))
-            start += n_p + n_r
         lengths = [n_p + n_r for n_p, n_r in zip(prompt, response, strict=True)]
+        bins = [list(range(len(lengths)))] if layout != "rows" else first_fit(lengths)
+        row_len = max((sum(lengths[i] for i in b) for b in bins), default=0)
+        if layout == "rows":
+            row_len = round_up(max(row_len, 1), ALIGN_COLUMNS)
+        gather, keep, place, positions = [], [], [], []
+        width = max(1, *response) if response else 1
+        for index, members in enumerate(bins):
+            start = index * row_len
+            for row in members:
+                n_p, n_r = prompt[row], response[row]
+                first = row * (width_p + width_r) + width_p - n_p
+                gather.append(torch.arange(first, first + n_p + n_r))
+                keep.append(torch.arange(start + n_p - 1, start + n_p + n_r - 1))  # position t predicts token t + 1
+                place.append(torch.arange(row * width, row * width + n_r))
+                start += n_p + n_r
+            tail = (index + 1) * row_len - start  # a row's tail: token 0's id, its own positions, never read
+            gather.append(torch.zeros(tail, dtype=torch.long))
+            positions.append(document_positions([lengths[i] for i in members] + ([tail] if tail else [])))
         cat = lambda parts: torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
-        return cls(cat(gather), document_positions(lengths)[None], cat(keep), cat(place), len(prompt), width)
+        position_ids = torch.stack(positions) if positions else torch.zeros((1, 0), dtype=torch.long)
+        return cls(cat(gather), position_ids, cat(keep), cat(place), len(prompt), width)
 
     def to(self, device: torch.device | str) -> PackedRows:
         pinned = lambda t: (t.pin_memory() if torch.device(device).type == "cuda" else t).to(device, non_blocking=True)
@@ -110,8 +132,9 @@ class PackedRows:
         )
 
     def inputs(self, batch: Batch, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The packed row's model inputs (no attention mask: the position ids separate the samples)."""
-        return {"input_ids": batch.input_ids[rows].reshape(-1)[self.gather][None], "position_ids": self.position_ids}
+        """The packed rows' model inputs (no attention mask: the position ids separate the samples)."""
+        ids = batch.input_ids[rows].reshape(-1)[self.gather].view(self.position_ids.shape)
+        return {"input_ids": ids, "position_ids": self.position_ids}
 
     def scatter(self, values: torch.Tensor, batch: Batch) -> torch.Tensor:
         """(K,) per response token -> (b, R) in the batch's response layout, zeros elsewhere (differentiable)."""
@@ -126,12 +149,30 @@ def host_lengths(batch: Batch) -> tuple[list[int], list[int]]:
     return prompt, response
 
 
-def packed_micro_batch(batch: Batch, prompt: list[int], response: list[int], rows: list[int]) -> PackedRows:
-    """The micro-batch ``rows`` (host-side indices; ``prompt`` / ``response``: every row's lengths), packed, on the
-    batch's device."""
+def first_fit(lengths: list[int]) -> list[list[int]]:
+    """Indices of ``lengths`` in bins no longer than the longest, first fit in decreasing order (each bin's
+    members in their original order). Written here: a few lines, on the host, once per micro-batch."""
+    capacity, bins, room = max(lengths, default=0), [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        slot = next((b for b, free in enumerate(room) if free >= lengths[i]), None)
+        if slot is None:
+            bins.append([])
+            room.append(capacity)
+            slot = len(bins) - 1
+        bins[slot].append(i)
+        room[slot] -= lengths[i]
+    return [sorted(b) for b in bins]
+
+
+def packed_micro_batch(
+    batch: Batch, prompt: list[int], response: list[int], rows: list[int], layout: PackLayout = "row"
+) -> PackedRows:
+    """The micro-batch ``rows`` (host-side indices; ``prompt`` / ``response``: every row's lengths), packed in
+    ``layout``, on the batch's device."""
     width_r = batch.responses.shape[1]
     lengths = [prompt[i] for i in rows], [response[i] for i in rows]
-    return PackedRows.build(*lengths, batch.input_ids.shape[1] - width_r, width_r).to(batch.responses.device)
+    packed = PackedRows.build(*lengths, batch.input_ids.shape[1] - width_r, width_r, layout)
+    return packed.to(batch.responses.device)
 
 
 def policy_forward(
@@ -155,7 +196,7 @@ def policy_forward(
     """
     if packed is not None:
         inputs = packed.inputs(batch, rows)
-        targets = inputs["input_ids"][:, packed.keep + 1]  # the token each kept position predicts is the next one
+        targets = inputs["input_ids"].reshape(-1)[packed.keep + 1][None]  # each kept position predicts the next
         width_r = packed.width
     else:
         inputs, width_r = _trimmed(batch, rows, width)
@@ -166,7 +207,9 @@ def policy_forward(
         hidden = final_hidden(model, decoder, inputs)
         # the positions that predict response tokens: the packed row's kept ones, or each row's last width_r + 1
         # but the last (what logits_to_keep selects below)
-        picked = select_rows(hidden[0], packed.keep) if packed is not None else hidden[:, -(width_r + 1) : -1]
+        picked = (
+            select_rows(hidden.flatten(0, 1), packed.keep) if packed is not None else hidden[:, -(width_r + 1) : -1]
+        )
         flat = picked.reshape(-1, picked.shape[-1])
         flat = flat / temperature if temperature != 1.0 else flat  # (h / T) @ W.T = logits / T
         # detached without gradient: Liger's kernel forms the weight's gradient in its forward when it requires one
@@ -174,8 +217,10 @@ def policy_forward(
         logprobs = linear_token_logprobs(flat, weight, targets.reshape(-1), kernels=kernels).view(targets.shape)
         ent = None if entropy == "none" else linear_entropy(flat.detach(), head.weight).view(targets.shape)
     else:
-        if packed is not None:  # logits only at the positions that predict response tokens
-            logits = model(**inputs, use_cache=False, logits_to_keep=packed.keep).logits
+        if packed is not None and packed.position_ids.shape[0] == 1:  # logits only where response tokens are
+            logits = model(**inputs, use_cache=False, logits_to_keep=packed.keep).logits  # predicted
+        elif packed is not None:  # several rows: logits_to_keep picks the same columns in every row
+            logits = model(**inputs, use_cache=False).logits.flatten(0, 1)[packed.keep][None]
         else:  # logits only for the positions that predict response tokens: prompt positions are never computed
             logits = model(**inputs, use_cache=False, logits_to_keep=width_r + 1).logits[:, :-1]
         if temperature != 1.0:
@@ -197,7 +242,8 @@ def value_forward(
 ) -> torch.Tensor:
     """Critic values (b, R): V at the state *before* each response token (the position that predicts it)."""
     if packed is not None:
-        return packed.scatter(critic(**packed.inputs(batch, rows), attention_mask=None)[0, packed.keep], batch)
+        values = critic(**packed.inputs(batch, rows), attention_mask=None)
+        return packed.scatter(values.reshape(-1)[packed.keep], batch)
     inputs, width_r = _trimmed(batch, rows, width)
     return _to_full_width(response_logits(critic(**inputs), width_r), batch, rows)
 
@@ -207,7 +253,7 @@ def micro_batches(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def full_pass(fn: Callable[..., torch.Tensor], batch: Batch, size: int, packing: bool = False) -> torch.Tensor:
+def full_pass(fn: Callable[..., torch.Tensor], batch: Batch, size: int, packing: PackLayout = None) -> torch.Tensor:
     """``fn(rows, width, packed) -> (b, R)`` over the whole batch in micro-batches (no gradient); ``width`` is the
     micro-batch's longest response, read from the host once for the whole pass; ``packed`` its padding-free row
     (``packing``) or None."""
@@ -215,13 +261,20 @@ def full_pass(fn: Callable[..., torch.Tensor], batch: Batch, size: int, packing:
     rows = torch.arange(len(lengths), device=batch.responses.device)
     out = []
     for i, chunk in zip(range(0, len(lengths), size), micro_batches(rows, size), strict=True):
-        packed = packed_micro_batch(batch, prompt, lengths, list(range(i, i + len(chunk)))) if packing else None
+        packed = (
+            packed_micro_batch(batch, prompt, lengths, list(range(i, i + len(chunk))), packing) if packing else None
+        )
         out.append(fn(chunk, max(lengths[i : i + size]), packed).float())
     return torch.cat(out)
 
 
 def logprob_pass(
-    model: Any, batch: Batch, temperature: float, size: int, packing: bool, kernels: HeadKernels = HeadKernels()
+    model: Any,
+    batch: Batch,
+    temperature: float,
+    size: int,
+    packing: PackLayout,
+    kernels: HeadKernels = HeadKernels(),
 ) -> torch.Tensor:
     """(B, R) log-probs of every row's response under ``model``, without gradient (the reference and pi_old)."""
     forward = lambda rows, width, packed: policy_forward(  # noqa: E731
@@ -345,7 +398,7 @@ class Updater:
         self.max_grad_norm = max_grad_norm
         self.ranks = ranks
         self.guard: NonFiniteGuard | None = None  # the run's: a non-finite loss or gradient skips or stops
-        self.packing = False  # micro-batches as padding-free rows (``rollout.packing``, decided by the loop)
+        self.packing: PackLayout = None  # micro-batches as padding-free rows (``rollout.packing``, by the loop)
 
     def _mini_batch(self, mask: torch.Tensor, rows: torch.Tensor) -> MiniBatch:
         if self.ranks is None or not self.ranks.many:
@@ -396,7 +449,9 @@ class Updater:
                     pos = torch.arange(start, min(start + micro, len(mini_host)), device=device)
                     host_rows = mini_host[start : start + micro].tolist()
                     width = max(response[i] for i in host_rows)
-                    packed = packed_micro_batch(batch, prompt, response, host_rows) if self.packing else None
+                    packed = (
+                        packed_micro_batch(batch, prompt, response, host_rows, self.packing) if self.packing else None
+                    )
                     rows = mini_rows[pos]
                     last = start == starts[-1]
                     with nullcontext() if last or world == 1 else self.accelerator.no_sync(self.model):

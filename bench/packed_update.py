@@ -1,0 +1,124 @@
+"""What packing saves in an online update pass: one micro-batch of rollouts of very different lengths through the
+policy's forward and backward (``engine.online.update.policy_forward``), padded, as one packed row and as packed rows
+no longer than the longest sample (``update.PackLayout``), alternated, on one model.
+
+    python bench/packed_update.py                                   # the bundled model's shape, sdpa, CPU
+    python bench/packed_update.py --shape qwen2.5-0.5b --lengths 32:1024 --samples 64   # on a GPU (bf16)
+    python bench/packed_update.py --attn flex_attention --layouts padded,row             # GPU only (flex backward)
+
+Prompts are ``--prompt`` tokens, responses drawn from ``--lengths`` (seeded); random weights. Reported per layout:
+the positions the forward computes (padded: samples x the widest prompt + response), the median seconds of a
+forward + backward over ``--repeats`` rounds after one warmup round, and the ratio to padded. Why: sdpa and eager
+compute a row's whole attention, so one long packed row cost more than padding where attention dominates; rows as
+long as the longest sample bound that cost by the padded one while the matrix products run on about the real tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def build_model(shape: str, attn: str):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
+
+    cuda = torch.cuda.is_available()
+    dtype = torch.bfloat16 if cuda else torch.float32
+    torch.manual_seed(0)
+    if shape == "bundled":
+        config = AutoConfig.from_pretrained(ROOT / "data" / "models" / "tiny-arith")
+    else:
+        sys.path.insert(0, str(ROOT / "bench"))
+        from train_bench import SHAPES
+
+        config = Qwen2Config(**SHAPES[shape], max_position_embeddings=8192, eos_token_id=2, pad_token_id=0)
+    config._attn_implementation = attn
+    with torch.device("cuda" if cuda else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.train(), config.vocab_size
+
+
+def build_batch(samples: int, prompt: int, lengths: str, vocab: int, seed: int, device):
+    import torch
+
+    from rlfactory.rollout.base import Completion
+    from rlfactory.rollout.batch import pack_rollouts
+
+    low, high = (int(x) for x in lengths.split(":"))
+    gen = torch.Generator().manual_seed(seed)
+    drawn = torch.randint(low, high + 1, (samples,), generator=gen).tolist()
+    prompts = [torch.randint(3, vocab, (prompt,), generator=gen).tolist() for _ in range(samples)]
+    completions = [Completion(torch.randint(3, vocab, (n,), generator=gen).tolist(), "length") for n in drawn]
+    batch = pack_rollouts(prompts, completions, pad_id=0, mask_truncated=False)
+    batch.advantages = torch.randn(batch.responses.shape, generator=gen) * batch.response_mask
+    return batch.to(device), drawn
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="bundled", help="bundled (the tiny model's config) or a train_bench shape")
+    parser.add_argument("--attn", default="sdpa", help="model.attn_implementation")
+    parser.add_argument("--samples", type=int, default=32, help="the micro-batch's samples")
+    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per sample")
+    parser.add_argument("--lengths", default="16:256", metavar="LOW:HIGH", help="response lengths drawn from")
+    parser.add_argument("--layouts", default="padded,row,rows", help="any of padded, row, rows")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    import torch
+
+    from rlfactory.engine.online.update import host_lengths, packed_micro_batch, policy_forward
+
+    cuda = torch.cuda.is_available()
+    model, vocab = build_model(args.shape, args.attn)
+    device = next(model.parameters()).device
+    batch, drawn = build_batch(args.samples, args.prompt, args.lengths, vocab, args.seed, device)
+    rows = torch.arange(args.samples, device=device)
+    prompt, response = host_lengths(batch)
+    layouts = args.layouts.split(",")
+    packed = {
+        name: None if name == "padded" else packed_micro_batch(batch, prompt, response, list(range(args.samples)), name)
+        for name in layouts
+    }
+    positions = {name: batch.input_ids.numel() if p is None else p.position_ids.numel() for name, p in packed.items()}
+
+    def step(name: str) -> float:
+        model.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        logprobs, _ = policy_forward(model, batch, rows, packed=packed[name])
+        (logprobs * batch.advantages).sum().backward()
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    times: dict[str, list[float]] = {name: [] for name in layouts}
+    for name in layouts:
+        step(name)  # warmup
+    for _ in range(args.repeats):  # alternated, so that a machine's drift spreads over every layout
+        for name in layouts:
+            times[name].append(step(name))
+    real = sum(prompt) + sum(response)
+    print(
+        f"{args.shape}, {args.attn}, {'cuda' if cuda else 'cpu'}: {args.samples} samples, prompt {args.prompt}, "
+        f"responses {min(drawn)}..{max(drawn)} (mean {statistics.mean(drawn):.0f}); real tokens {real:,}"
+    )
+    print("| layout | positions | rows | s (median) | vs padded |\n|---|---|---|---|---|")
+    base = statistics.median(times["padded"]) if "padded" in times else None
+    for name in layouts:
+        seconds = statistics.median(times[name])
+        n_rows = args.samples if packed[name] is None else packed[name].position_ids.shape[0]
+        ratio = f"{base / seconds:.2f}x" if base else "-"
+        print(f"| {name} | {positions[name]:,} | {n_rows} | {seconds:.4f} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
