@@ -5,6 +5,7 @@ no longer than the longest sample (``update.PackLayout``), alternated, on one mo
     python bench/packed_update.py                                   # the bundled model's shape, sdpa, CPU
     python bench/packed_update.py --shape qwen2.5-0.5b --lengths 32:1024 --samples 64   # on a GPU (bf16)
     python bench/packed_update.py --attn flex_attention --layouts padded,row             # GPU only (flex backward)
+    python bench/packed_update.py --sft --lengths 64:1024 --samples 8   # sft's data.packing collates, nll_sum
 
 Prompts are ``--prompt`` tokens, responses drawn from ``--lengths`` (seeded); random weights. Reported per layout:
 the positions the forward computes (padded: samples x the widest prompt + response), the median seconds of a
@@ -70,7 +71,10 @@ def main() -> None:
     parser.add_argument("--layouts", default="padded,row,rows", help="any of padded, row, rows")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sft", action="store_true", help="sft's collates and loss (documents of --lengths tokens)")
     args = parser.parse_args()
+    if args.sft:
+        return sft_main(args)
 
     import torch
 
@@ -118,6 +122,59 @@ def main() -> None:
         n_rows = args.samples if packed[name] is None else packed[name].position_ids.shape[0]
         ratio = f"{base / seconds:.2f}x" if base else "-"
         print(f"| {name} | {positions[name]:,} | {n_rows} | {seconds:.4f} | {ratio} |")
+
+
+def sft_main(args) -> None:
+    """The same comparison for sft's ``data.packing``: padded rows, one packed row, packed rows (``stages.sft``)."""
+    import torch
+
+    from rlfactory.data.packing import ALIGN_COLUMNS
+    from rlfactory.stages import sft
+
+    cuda = torch.cuda.is_available()
+    model, vocab = build_model(args.shape, args.attn)
+    device = next(model.parameters()).device
+    low, high = (int(x) for x in args.lengths.split(":"))
+    gen = torch.Generator().manual_seed(args.seed)
+    drawn = torch.randint(low, high + 1, (args.samples,), generator=gen).tolist()
+    items = []
+    for n in drawn:
+        ids = torch.randint(3, vocab, (n,), generator=gen).tolist()
+        items.append({"input_ids": ids, "labels": [-100] * (n // 4) + ids[n // 4 :]})
+    collates = {
+        "padded": sft.collate_padded(0, ALIGN_COLUMNS),
+        "row": sft.collate_packed,
+        "rows": sft.collate_packed_rows(0, ALIGN_COLUMNS),
+    }
+    layouts = args.layouts.split(",")
+    batches = {name: {k: v.to(device) for k, v in collates[name](items).items()} for name in layouts}
+
+    def step(name: str) -> float:
+        model.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss, _ = sft.nll_sum(model, batches[name])
+        loss.backward()
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    times: dict[str, list[float]] = {name: [] for name in layouts}
+    for name in layouts:
+        step(name)
+    for _ in range(args.repeats):
+        for name in layouts:
+            times[name].append(step(name))
+    span = f"{min(drawn)}..{max(drawn)} tokens ({sum(drawn):,})"
+    print(f"sft, {args.shape}, {args.attn}: {args.samples} documents of {span}")
+    print("| layout | positions | rows | s (median) | vs padded |\n|---|---|---|---|---|")
+    base = statistics.median(times["padded"]) if "padded" in times else None
+    for name in layouts:
+        seconds = statistics.median(times[name])
+        shape = batches[name]["input_ids"].shape
+        ratio = f"{base / seconds:.2f}x" if base else "-"
+        print(f"| {name} | {shape.numel():,} | {shape[0]} | {seconds:.4f} | {ratio} |")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,27 @@ def test_packed_equals_padded_and_documents_do_not_attend_across():
     assert abs(float(leaky_loss) - float(padded_loss)) > 1e-3
 
 
+def test_packed_rows_equal_padded_with_several_documents_per_row():
+    """sdpa / eager's layout (``collate_packed_rows``): documents first fit into rows no longer than the longest, so
+    short ones share a row; the loss equals the padded loss, and every labelled token is trained once."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(TINY_MODEL)))
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float64, attn_implementation="sdpa").eval()
+    examples = load_examples(["arith_sft"], "sft", str(DATA_DIR), max_samples=6)
+    items = [render_sft(tokenizer, e["messages"])[0] for e in examples]
+    cut = lambda item, n: {k: v[:n] for k, v in item.items()}  # a shorter document, still labelled at its end
+    items = [items[0], cut(items[1], 20), cut(items[2], 30), items[3], cut(items[4], 12), cut(items[5], 25)]
+    rows = sft.collate_packed_rows(tokenizer.pad_token_id, 8)(items)
+    assert rows["input_ids"].shape[0] < len(items)  # some documents share a row
+    assert rows["input_ids"].shape[1] == -(-max(len(i["input_ids"]) for i in items) // 8) * 8
+    with torch.no_grad():
+        padded_loss, _ = sft.nll_sum(model, sft.collate_padded(tokenizer.pad_token_id)(items))
+        rows_loss, _ = sft.nll_sum(model, rows)
+    assert sft.count_tokens(rows) == sft.count_tokens(sft.collate_padded(0)(items))
+    assert abs(float(rows_loss) - float(padded_loss)) <= 1e-12 * float(padded_loss)
+
+
 def test_lora_under_autocast_saves_no_float32_copies_of_adapter_inputs():
     """A bf16 model with PEFT's float32 adapters, under bf16 autocast (the GPU LoRA setting): the engine's forward
     context keeps PEFT from casting each adapter's input to float32, so autograd saves fewer bytes, while the loss

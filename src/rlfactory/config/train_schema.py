@@ -41,8 +41,10 @@ class DataConfig(Section):
     )
     packing: bool = Field(
         False,
-        description="Padding-free batches: concatenate a micro-batch into one row with per-document "
-        "position ids, so documents never attend to each other and no pad tokens are computed. Stage pt always "
+        description="Padding-free batches: documents back to back with per-document position ids, so they never "
+        "attend to each other and (almost) no pad tokens are computed: a micro-batch in one row with "
+        "model.attn_implementation flash_attention_2 / flex_attention (they skip the masked blocks), in rows no "
+        "longer than its longest document with sdpa / eager (they compute a row's whole attention). Stage pt always "
         "packs its text into blocks of cutoff_len tokens.",
     )
     max_samples: int | None = Field(None, ge=1, description="Use at most this many rows per dataset.")
@@ -94,7 +96,7 @@ class TrainConfig(Section):
         description="Offline stages, with train.torch_compile on CUDA: replay each compiled layer as a CUDA graph "
         "(torch.compile's reduce-overhead mode), so the host's kernel launches stop setting the pace of a step: "
         "SFT LoRA 1.44x faster on an H200, 1.59x TRL at its fastest (docs/BENCHMARKS.md). Each new batch shape "
-        "records its graphs once (data.packing keeps one shape). Not with gradient checkpointing, DeepSpeed or "
+        "records its graphs once. Not with gradient checkpointing, DeepSpeed or "
         "FSDP2. Checked against the compiled run's losses on one GPU; under DDP not yet on GPUs.",
     )
     eval_steps: int | None = Field(None, ge=1, description="Evaluate every N steps (and always at the end).")

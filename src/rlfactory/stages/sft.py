@@ -18,7 +18,7 @@ import torch
 
 from rlfactory.algos.common import HeadKernels
 from rlfactory.config.schema import RunConfig
-from rlfactory.data.packing import ALIGN_COLUMNS, pack_sequences, padded_width
+from rlfactory.data.packing import ALIGN_COLUMNS, SPARSE_ATTENTION, first_fit, pack_sequences, padded_width
 from rlfactory.engine.offline import Batch, StageParts, train
 from rlfactory.errors import UserError
 from rlfactory.render.chat import IGNORE_INDEX
@@ -111,6 +111,35 @@ def collate_packed(items: list[dict[str, list[int]]]) -> Batch:
     return {**packed, "labels": labels_row, "target_rows": target_rows(labels_row)}
 
 
+def packed_collate(cfg: RunConfig, pad_id: int):
+    """data.packing's layout: one row per micro-batch where the attention kernel skips masked blocks (flash, flex),
+    rows no longer than the longest document for sdpa / eager."""
+    if cfg.model.attn_implementation in SPARSE_ATTENTION:
+        return collate_packed
+    return collate_packed_rows(pad_id, ALIGN_COLUMNS, cfg.data.cutoff_len)
+
+
+def collate_packed_rows(pad_id: int, align: int = 1, cap: int | None = None):
+    """Documents first-fit into rows no longer than the longest (then padded as :func:`collate_padded` pads), each
+    row packed as :func:`collate_packed` packs: for sdpa / eager, which compute a row's whole attention (one row of a
+    whole micro-batch would cost its length squared); a row's tail is a document of its own, never trained."""
+
+    def collate(items: list[dict[str, list[int]]]) -> Batch:
+        bins = first_fit([len(item["input_ids"]) for item in items])
+        rows = [collate_packed([items[i] for i in members]) for members in bins]
+        width = padded_width([row["input_ids"].shape[1] for row in rows], align, cap)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+        positions = torch.arange(width).repeat(len(rows), 1)
+        for r, row in enumerate(rows):
+            n = row["input_ids"].shape[1]
+            ids[r, :n], labels[r, :n], positions[r, :n] = row["input_ids"][0], row["labels"][0], row["position_ids"][0]
+            positions[r, n:] -= n  # the tail's own positions, from 0
+        return {"input_ids": ids, "labels": labels, "position_ids": positions, "target_rows": target_rows(labels)}
+
+    return collate
+
+
 def target_rows(labels: torch.Tensor) -> torch.Tensor:
     """Flat indices (over N x T) of the positions whose next token is trained, found here on the host.
 
@@ -167,7 +196,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     parts = StageParts(
         train_examples=train_items,
         eval_examples=eval_items,
-        collate=collate_packed if cfg.data.packing else padded,
+        collate=packed_collate(cfg, tokenizer.pad_token_id) if cfg.data.packing else padded,
         loss_fn=functools.partial(nll_sum, kernels=head_kernels(cfg.model, cfg.train)),
         count_fn=count_tokens,
         before_training=common.score_before(cfg, tokenizer, eval_prompts),

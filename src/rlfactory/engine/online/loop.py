@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlfactory.config.schema import RunConfig
+from rlfactory.data.packing import SPARSE_ATTENTION
 from rlfactory.engine import health, run_dir, shared
 from rlfactory.engine.offline import TrainResult
 from rlfactory.engine.online.overlap import Prefetch
@@ -61,14 +62,6 @@ def _updater(accelerator: Accelerator, model: Any, lr: float, cfg: RunConfig, up
         accelerator, model, optimizer, scheduler, torch_compile=cfg.train.torch_compile
     )
     return Updater(accelerator, model, optimizer, scheduler, cfg.train.max_grad_norm, ranks)
-
-
-# attention kernels that skip the masked blocks of a packed row (flash-attention's varlen, flex's block mask): packing
-# only removes work there, so a micro-batch is one row. sdpa and eager compute a row's whole attention and mask it
-# afterwards: one long row cost more than the padding it saved where attention dominates (the bundled model on CPU:
-# 0.15-0.30x padded's speed), so for them the samples go into rows no longer than the longest sample ("rows": 1.24-
-# 1.39x padded's speed there at lengths 32..1024 and 16..256, 1.00x at nearly equal lengths; bench/packed_update.py)
-SPARSE_ATTENTION = ("flash_attention_2", "flex_attention")
 
 
 def packing_on(cfg: RunConfig) -> PackLayout:

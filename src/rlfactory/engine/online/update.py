@@ -37,7 +37,7 @@ from rlfactory.algos.common import (
     token_logprobs,
 )
 from rlfactory.config.schema import AlgorithmConfig
-from rlfactory.data.packing import ALIGN_COLUMNS, round_up
+from rlfactory.data.packing import ALIGN_COLUMNS, first_fit, round_up
 from rlfactory.engine.shared import NonFiniteGuard, autocast_forward, backward, clip_grad_norm
 from rlfactory.model.lm_head import final_hidden, lm_parts, select_rows
 from rlfactory.rollout.batch import RolloutBatch, response_logits
@@ -147,21 +147,6 @@ def host_lengths(batch: Batch) -> tuple[list[int], list[int]]:
     width_p = batch.input_ids.shape[1] - batch.responses.shape[1]
     prompt, response = torch.stack([batch.attention_mask[:, :width_p].sum(-1), batch.response_length.long()]).tolist()
     return prompt, response
-
-
-def first_fit(lengths: list[int]) -> list[list[int]]:
-    """Indices of ``lengths`` in bins no longer than the longest, first fit in decreasing order (each bin's
-    members in their original order). Written here: a few lines, on the host, once per micro-batch."""
-    capacity, bins, room = max(lengths, default=0), [], []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        slot = next((b for b, free in enumerate(room) if free >= lengths[i]), None)
-        if slot is None:
-            bins.append([])
-            room.append(capacity)
-            slot = len(bins) - 1
-        bins[slot].append(i)
-        room[slot] -= lengths[i]
-    return [sorted(b) for b in bins]
 
 
 def packed_micro_batch(
