@@ -61,6 +61,38 @@ def build_batch(samples: int, prompt: int, lengths: str, vocab: int, seed: int, 
     return batch.to(device), drawn
 
 
+def time_alternated(model, loss, layouts: list[str], repeats: int) -> dict[str, list[float]]:
+    """Seconds of ``loss(layout).backward()`` per layout: one warmup round, then ``repeats`` rounds alternating the
+    layouts, so that a machine's drift spreads over all of them."""
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    def step(name: str) -> float:
+        model.zero_grad(set_to_none=True)
+        sync()
+        start = time.perf_counter()
+        loss(name).backward()
+        sync()
+        return time.perf_counter() - start
+
+    for name in layouts:
+        step(name)
+    times: dict[str, list[float]] = {name: [] for name in layouts}
+    for _ in range(repeats):
+        for name in layouts:
+            times[name].append(step(name))
+    return times
+
+
+def print_table(times: dict[str, list[float]], positions: dict[str, int], rows: dict[str, int]) -> None:
+    print("| layout | positions | rows | s (median) | vs padded |\n|---|---|---|---|---|")
+    base = statistics.median(times["padded"]) if "padded" in times else None
+    for name, seconds in ((n, statistics.median(t)) for n, t in times.items()):
+        ratio = f"{base / seconds:.2f}x" if base else "-"
+        print(f"| {name} | {positions[name]:,} | {rows[name]} | {seconds:.4f} | {ratio} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="bundled", help="bundled (the tiny model's config) or a train_bench shape")
@@ -93,35 +125,18 @@ def main() -> None:
     }
     positions = {name: batch.input_ids.numel() if p is None else p.position_ids.numel() for name, p in packed.items()}
 
-    def step(name: str) -> float:
-        model.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+    def loss(name: str):
         logprobs, _ = policy_forward(model, batch, rows, packed=packed[name])
-        (logprobs * batch.advantages).sum().backward()
-        if cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
+        return (logprobs * batch.advantages).sum()
 
-    times: dict[str, list[float]] = {name: [] for name in layouts}
-    for name in layouts:
-        step(name)  # warmup
-    for _ in range(args.repeats):  # alternated, so that a machine's drift spreads over every layout
-        for name in layouts:
-            times[name].append(step(name))
+    times = time_alternated(model, loss, layouts, args.repeats)
     real = sum(prompt) + sum(response)
     print(
         f"{args.shape}, {args.attn}, {'cuda' if cuda else 'cpu'}: {args.samples} samples, prompt {args.prompt}, "
         f"responses {min(drawn)}..{max(drawn)} (mean {statistics.mean(drawn):.0f}); real tokens {real:,}"
     )
-    print("| layout | positions | rows | s (median) | vs padded |\n|---|---|---|---|---|")
-    base = statistics.median(times["padded"]) if "padded" in times else None
-    for name in layouts:
-        seconds = statistics.median(times[name])
-        n_rows = args.samples if packed[name] is None else packed[name].position_ids.shape[0]
-        ratio = f"{base / seconds:.2f}x" if base else "-"
-        print(f"| {name} | {positions[name]:,} | {n_rows} | {seconds:.4f} | {ratio} |")
+    n_rows = {name: args.samples if p is None else p.position_ids.shape[0] for name, p in packed.items()}
+    print_table(times, positions, n_rows)
 
 
 def sft_main(args) -> None:
@@ -131,7 +146,6 @@ def sft_main(args) -> None:
     from rlfactory.data.packing import ALIGN_COLUMNS
     from rlfactory.stages import sft
 
-    cuda = torch.cuda.is_available()
     model, vocab = build_model(args.shape, args.attn)
     device = next(model.parameters()).device
     low, high = (int(x) for x in args.lengths.split(":"))
@@ -149,32 +163,11 @@ def sft_main(args) -> None:
     layouts = args.layouts.split(",")
     batches = {name: {k: v.to(device) for k, v in collates[name](items).items()} for name in layouts}
 
-    def step(name: str) -> float:
-        model.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        loss, _ = sft.nll_sum(model, batches[name])
-        loss.backward()
-        if cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-    times: dict[str, list[float]] = {name: [] for name in layouts}
-    for name in layouts:
-        step(name)
-    for _ in range(args.repeats):
-        for name in layouts:
-            times[name].append(step(name))
+    times = time_alternated(model, lambda name: sft.nll_sum(model, batches[name])[0], layouts, args.repeats)
     span = f"{min(drawn)}..{max(drawn)} tokens ({sum(drawn):,})"
     print(f"sft, {args.shape}, {args.attn}: {args.samples} documents of {span}")
-    print("| layout | positions | rows | s (median) | vs padded |\n|---|---|---|---|---|")
-    base = statistics.median(times["padded"]) if "padded" in times else None
-    for name in layouts:
-        seconds = statistics.median(times[name])
-        shape = batches[name]["input_ids"].shape
-        ratio = f"{base / seconds:.2f}x" if base else "-"
-        print(f"| {name} | {shape.numel():,} | {shape[0]} | {seconds:.4f} | {ratio} |")
+    shapes = {name: batches[name]["input_ids"].shape for name in layouts}
+    print_table(times, {n: s.numel() for n, s in shapes.items()}, {n: s[0] for n, s in shapes.items()})
 
 
 if __name__ == "__main__":
