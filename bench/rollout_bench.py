@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -295,6 +296,8 @@ def _grpo_cfg(args, model_dir: Path, out: Path, backend: str, sync: str, sleep: 
             "generation_batch_size": 512,
             "overlap": args.overlap,
             "packing": "off" if args.padded else "auto",
+            # :misN: the sampled tokens' log-probs (mismatch metrics) on one step in N only
+            "mismatch_every": args.mismatch_every,
         },
         "reward": {"functions": {"answer_match": 1.0}},
         # data parallel: one colocated engine per GPU, the same prompts per GPU (the step's prompts are split)
@@ -355,6 +358,7 @@ def case_grpo(args, model_dir: Path) -> dict:
         "overlap": args.overlap,
         "flex": args.flex,
         "padded": args.padded,
+        "mismatch_every": args.mismatch_every,
         "exit": code,
         "gpus": args.gpus,
         "log_step_s": log_step_s,
@@ -552,6 +556,7 @@ def table(results: list[dict]) -> str:
                 name += " +overlap" if r.get("overlap") else ""
                 name += " +flex (packed)" if r.get("flex") else ""
                 name += " +padded" if r.get("padded") else ""
+                name += f" +mismatch_every {r['mismatch_every']}" if r.get("mismatch_every", 1) > 1 else ""
                 parts = {k: r[f"timing_s/{k}"] for k in BREAKDOWN if r.get(f"timing_s/{k}") is not None}
                 mean, mx = r.get("rollout/logprob_diff_mean"), r.get("rollout/logprob_diff_max")
                 diff = f"{mean:.2e} / {mx:.2e}" if mean is not None else "-"
@@ -580,7 +585,7 @@ def main() -> None:
         default="adapter:16,adapter:64,merged:64",
         help="grpo: lora_sync:micro-batch pairs (train.per_device_batch_size; 16 = TRL's micro-batch here); "
         "more fields: :compile adds train.torch_compile, :overlap rollout.overlap, :padded rollout.packing off, "
-        ":flex flex attention with packed "
+        ":misN rollout.mismatch_every N, :flex flex attention with packed "
         "updates (e.g. adapter:64:compile:overlap)",
     )
     parser.add_argument("--sleep-runs", default="adapter:64,merged:64", help="memory: the same, with sleep mode")
@@ -622,6 +627,7 @@ def main() -> None:
     parser.add_argument("--overlap", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--flex", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--padded", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mismatch-every", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -643,9 +649,10 @@ def main() -> None:
     pairs = lambda text: [(p.split(":")[0], p.split(":")[1], p.split(":")[2:]) for p in text.split(",") if p]
     unknown = {e for text in (args.grpo_runs, args.sleep_runs) for _, _, extras in pairs(text) for e in extras}
     fields = {"compile", "overlap", "flex", "padded"}
+    unknown = {e for e in unknown if not re.fullmatch(r"mis[1-9][0-9]*", e)}
     if unknown - fields:
-        parser.error(f"unknown run field(s) {sorted(unknown - fields)}: use {sorted(fields)}")
-    flag = lambda extras: [f"--{e}" for e in extras]
+        parser.error(f"unknown run field(s) {sorted(unknown - fields)}: use {sorted(fields)} or misN")
+    flag = lambda extras: [f"--mismatch-every={e[3:]}" if e.startswith("mis") else f"--{e}" for e in extras]
     if "grpo" in cases:
         runs += [
             ["--case", "grpo", "--impl", impl, "--sync", s, "--micro", m, *flag(c)] for s, m, c in pairs(args.grpo_runs)

@@ -89,3 +89,52 @@ def test_base_weights_are_checkpoint_names_without_lora(tmp_path: Path):
     names = dict(base_weights(policy))
     assert set(names) == {n for n, _ in plain.named_parameters()}
     assert all(torch.equal(names[n], p) for n, p in plain.named_parameters())
+
+
+def _lora_policy(tmp_path: Path, dtype: torch.dtype, **lora):
+    from rlfactory.model.loader import load_model
+
+    cfg = RunConfig.model_validate(grpo_vllm(tmp_path) | ({"lora": {"r": 8, "alpha": 16, **lora}} if lora else {}))
+    policy = load_model(cfg.model, cfg.lora, cfg.freeze).to(dtype)
+    torch.manual_seed(0)
+    with torch.no_grad():  # LoRA B starts at zero: give the adapter something to merge
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.05)
+    return policy
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_merged_weights_are_peft_merge_out_of_place(tmp_path: Path, dtype: torch.dtype):
+    """The merged sync's weights equal PEFT's in-place merge bit for bit, and the policy is never written: PEFT's
+    merge + unmerge in bf16 moves the frozen base weights (the drift the out-of-place merge avoids)."""
+    import copy
+
+    from rlfactory.rollout.vllm import merged_weights
+
+    policy = _lora_policy(tmp_path, dtype)
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    in_place = copy.deepcopy(policy)
+    in_place.merge_adapter()
+    expected = {n: w.clone() for n, w in base_weights(in_place)}
+    in_place.unmerge_adapter()
+
+    got = dict(merged_weights(policy))
+    assert set(got) == set(expected)
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
+    changed = [n for n in expected if not torch.equal(got[n], dict(base_weights(policy))[n])]
+    assert len(changed) == len([n for n, _ in policy.named_parameters() if "lora_A" in n])  # every adapted layer
+    assert all(torch.equal(p, before[n]) for n, p in policy.named_parameters())  # the policy is untouched
+    if dtype == torch.bfloat16:  # what PEFT's merge + unmerge leaves behind
+        drifted = [n for n, p in in_place.named_parameters() if not torch.equal(p, before[n])]
+        assert drifted, "bf16 merge + unmerge restored every weight exactly"
+
+
+def test_merged_weights_leave_dora_to_peft():
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from rlfactory.rollout.vllm import merged_weights
+
+    dora = get_peft_model(AutoModelForCausalLM.from_pretrained(TINY_MODEL), LoraConfig(r=4, use_dora=True))
+    assert merged_weights(dora) is None  # DoRA's merge rescales W: PEFT's own merge_adapter does it

@@ -91,8 +91,9 @@ class RolloutConfig(Section):
     lora_sync: Literal["adapter", "merged"] = Field(
         "adapter",
         description="vllm + LoRA: how the policy reaches the engine after each update. adapter: save only the LoRA "
-        "weights and serve them as a new LoRARequest (about 1% of the bytes); merged: merge, push the base weights, "
-        "unmerge. Full/freeze fine-tuning always pushes all weights.",
+        "weights and serve them as a new LoRARequest (about 1% of the bytes); merged: push every adapted weight plus "
+        "its LoRA delta (the engine runs a plain model, no LoRA kernels). Full/freeze fine-tuning always pushes all "
+        "weights.",
     )
     gpu_memory_utilization: float = Field(
         0.3,
