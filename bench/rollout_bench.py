@@ -508,6 +508,16 @@ def run_one(args) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
+def case_limit(case_timeout: float, budget: float, elapsed: float, least: float = 30.0) -> float | None:
+    """Seconds the next case may run: ``--case-timeout``, cut to what is left of ``--budget`` (0: no budget); None
+    when less than ``least`` is left (the case is skipped, and says so). Why: an outer ``timeout`` around the bench
+    killed it whole, with the cases it had not begun, while a budget ends the call with every finished case kept."""
+    if budget <= 0:
+        return case_timeout
+    left = budget - elapsed
+    return min(case_timeout, left) if left >= least else None
+
+
 def run_case(cmd: list[str], timeout: float) -> tuple[str, str, int]:
     """(stdout, stderr, exit code) of one case; a case past ``timeout`` is killed and reported with what it printed
     (exit -9, "TIMEOUT" at the end of stderr). On POSIX the output a timed-out child left is BYTES even with
@@ -610,6 +620,14 @@ def main() -> None:
     parser.add_argument("--log", default=None, help="append every case's stdout/stderr to this file")
     parser.add_argument("--case-timeout", type=int, default=420, help="seconds before a case is killed")
     parser.add_argument(
+        "--budget",
+        type=float,
+        default=0,
+        help="seconds for all cases together (0: none): each case gets what is left, up to --case-timeout, and a "
+        "case with under 30 s left is skipped and reported; use it instead of an outer timeout, which loses the "
+        "whole call",
+    )
+    parser.add_argument(
         "--var-lengths",
         default=None,
         metavar="LOW:HIGH",
@@ -674,15 +692,20 @@ def main() -> None:
         if args.tokens < high:
             parser.error(f"--var-lengths {args.var_lengths} needs --tokens >= {high} (the run's max_response_len)")
         passthrough += [f"--var-lengths={args.var_lengths}", f"--length-seed={args.length_seed}"]
-    results = []
+    results, began = [], time.perf_counter()
     for extra in runs:
+        limit = case_limit(args.case_timeout, args.budget, time.perf_counter() - began)
+        if limit is None:
+            results.append({"run": extra, "error": f"skipped: --budget {args.budget} s spent", "wall_s": 0.0})
+            print(json.dumps(results[-1]), flush=True)
+            continue
         cmd = [sys.executable, __file__, "--one", "--model-dir", str(model_dir), *passthrough, *extra]
         if "trl" in extra and args.gpus > 1:  # TRL's multi-GPU path: accelerate launch (DDP), bf16
             launch = ["-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={args.gpus}"]
             launch += ["--mixed_precision=bf16", f"--main_process_port={free_port()}"]  # side-by-side runs
             cmd = [sys.executable, *launch, *cmd[1:]]
         start = time.perf_counter()
-        stdout, stderr, code = run_case(cmd, args.case_timeout)
+        stdout, stderr, code = run_case(cmd, limit)
         wall = round(time.perf_counter() - start, 1)
         if args.log:
             with open(args.log, "a") as f:

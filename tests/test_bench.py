@@ -35,6 +35,13 @@ def test_a_case_past_its_timeout_is_reported_with_its_output(bench):
     assert bench.run_case([sys.executable, "-c", "print('ok')"], timeout=30) == ("ok\n", "", 0)
 
 
+def test_a_budget_cuts_the_last_cases_instead_of_the_whole_call(bench):
+    assert bench.case_limit(150, budget=0, elapsed=900) == 150  # no budget: every case its own timeout
+    assert bench.case_limit(150, budget=500, elapsed=100) == 150
+    assert bench.case_limit(150, budget=500, elapsed=400) == 100  # what is left of the budget
+    assert bench.case_limit(150, budget=500, elapsed=480) is None  # under 30 s left: skipped, and reported
+
+
 @dataclass
 class Params:  # the two fields of vllm.SamplingParams the variant touches, and its clone()
     n: int
