@@ -138,3 +138,14 @@ def test_merged_weights_leave_dora_to_peft():
 
     dora = get_peft_model(AutoModelForCausalLM.from_pretrained(TINY_MODEL), LoraConfig(r=4, use_dora=True))
     assert merged_weights(dora) is None  # DoRA's merge rescales W: PEFT's own merge_adapter does it
+
+
+def test_an_engine_model_with_mla_attention_is_not_synced_by_a_plain_copy():
+    from rlfactory.rollout.vllm import derives_weights_after_loading
+
+    class MLAAttention(torch.nn.Module):  # what vLLM names its multi-head latent attention layer
+        pass
+
+    dense = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    assert not derives_weights_after_loading(dense)
+    assert derives_weights_after_loading(torch.nn.Sequential(torch.nn.Linear(2, 2), MLAAttention()))

@@ -238,6 +238,13 @@ def _engine_quantization(llm: Any) -> str | None:
     return getattr(config, "quantization", "unknown") if config is not None else "unknown"
 
 
+def derives_weights_after_loading(model: Any) -> bool:
+    """Whether the engine's model keeps tensors derived from its weights at load time, which a plain copy into the
+    weights would leave stale: MLA attention (DeepSeek-V2/V3, Kimi) absorbs its up-projections into matrices of its
+    own after loading. (Runs inside the engine: ``llm.apply_model``.)"""
+    return any("MLA" in type(module).__name__ for module in model.modules())
+
+
 def retie_cpu_lm_head(model: Any) -> None:
     """CPU backend: a tied lm_head keeps a oneDNN-packed copy of the old embedding; repack it from the new one.
 
@@ -283,7 +290,11 @@ class VLLMBackend:
                 "tensor_parallel_size, or set rollout.backend: hf"
             ) from exc
         self.stop_ids = stop_ids(tokenizer)
-        self.copy_in_place = not self.on_cpu and _engine_quantization(self.llm) is None
+        self.copy_in_place = (
+            not self.on_cpu
+            and _engine_quantization(self.llm) is None
+            and not any(self.llm.apply_model(derives_weights_after_loading))
+        )
         self.lora: Any = None  # the LoRARequest of the current adapter (adapter mode)
         self.version = 0
         self.asleep: set[str] = set()
@@ -333,10 +344,11 @@ class VLLMBackend:
     def _push(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint-format weights into the engine's model, consuming the iterator once.
 
-        On GPU, unquantized: the model's own ``load_weights`` (each tensor copied into its place, q/k/v and gate/up
-        into their fused parameters), as verl and TRL sync. Elsewhere the worker's ``reload_weights``, vLLM's
-        layerwise reload, which re-runs the kernel repacking after loading (the CPU backend repacks every linear
-        weight for oneDNN, so a plain copy would not reach its kernels) at several times the cost.
+        On GPU, unquantized and without weights derived at load time (``derives_weights_after_loading``): the
+        model's own ``load_weights`` (each tensor copied into its place, q/k/v and gate/up into their fused
+        parameters), as verl and TRL sync. Elsewhere the worker's ``reload_weights``, vLLM's layerwise reload, which
+        re-runs the processing after loading (the CPU backend repacks every linear weight for oneDNN, so a plain
+        copy would not reach its kernels; quantized layers re-quantize; MLA re-derives its matrices), at a cost.
         """
         if self.copy_in_place:
             self.llm.apply_model(lambda model: model.load_weights(weights))
