@@ -359,6 +359,7 @@ def case_grpo(args, model_dir: Path) -> dict:
         "flex": args.flex,
         "padded": args.padded,
         "mismatch_every": args.mismatch_every,
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         "exit": code,
         "gpus": args.gpus,
         "log_step_s": log_step_s,
@@ -518,12 +519,12 @@ def case_limit(case_timeout: float, budget: float, elapsed: float, least: float 
     return min(case_timeout, left) if left >= least else None
 
 
-def run_case(cmd: list[str], timeout: float) -> tuple[str, str, int]:
+def run_case(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[str, str, int]:
     """(stdout, stderr, exit code) of one case; a case past ``timeout`` is killed and reported with what it printed
     (exit -9, "TIMEOUT" at the end of stderr). On POSIX the output a timed-out child left is BYTES even with
     ``text=True`` (``subprocess`` attaches what it read so far, undecoded), or None: both become text here."""
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         return proc.stdout, proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as exc:
         text = lambda out: out.decode(errors="replace") if isinstance(out, bytes) else (out or "")  # noqa: E731
@@ -566,6 +567,7 @@ def table(results: list[dict]) -> str:
                 name += " +overlap" if r.get("overlap") else ""
                 name += " +flex (packed)" if r.get("flex") else ""
                 name += " +padded" if r.get("padded") else ""
+                name += " +expandable segments" if "expandable" in r.get("alloc_conf", "") else ""
                 name += f" +mismatch_every {r['mismatch_every']}" if r.get("mismatch_every", 1) > 1 else ""
                 parts = {k: r[f"timing_s/{k}"] for k in BREAKDOWN if r.get(f"timing_s/{k}") is not None}
                 mean, mx = r.get("rollout/logprob_diff_mean"), r.get("rollout/logprob_diff_max")
@@ -595,7 +597,8 @@ def main() -> None:
         default="adapter:16,adapter:64,merged:64",
         help="grpo: lora_sync:micro-batch pairs (train.per_device_batch_size; 16 = TRL's micro-batch here); "
         "more fields: :compile adds train.torch_compile, :overlap rollout.overlap, :padded rollout.packing off, "
-        ":misN rollout.mismatch_every N, :flex flex attention with packed "
+        ":misN rollout.mismatch_every N, :expseg torch's expandable segments (PYTORCH_CUDA_ALLOC_CONF; is a peak "
+        "fragmentation?), :flex flex attention with packed "
         "updates (e.g. adapter:64:compile:overlap)",
     )
     parser.add_argument("--sleep-runs", default="adapter:64,merged:64", help="memory: the same, with sleep mode")
@@ -645,6 +648,7 @@ def main() -> None:
     parser.add_argument("--overlap", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--flex", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--padded", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--expseg", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mismatch-every", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -666,7 +670,7 @@ def main() -> None:
     # "sync:micro" plus optional fields ":compile" (train.torch_compile) and ":overlap" (rollout.overlap)
     pairs = lambda text: [(p.split(":")[0], p.split(":")[1], p.split(":")[2:]) for p in text.split(",") if p]
     unknown = {e for text in (args.grpo_runs, args.sleep_runs) for _, _, extras in pairs(text) for e in extras}
-    fields = {"compile", "overlap", "flex", "padded"}
+    fields = {"compile", "overlap", "flex", "padded", "expseg"}
     unknown = {e for e in unknown if not re.fullmatch(r"mis[1-9][0-9]*", e)}
     if unknown - fields:
         parser.error(f"unknown run field(s) {sorted(unknown - fields)}: use {sorted(fields)} or misN")
@@ -705,7 +709,8 @@ def main() -> None:
             launch += ["--mixed_precision=bf16", f"--main_process_port={free_port()}"]  # side-by-side runs
             cmd = [sys.executable, *launch, *cmd[1:]]
         start = time.perf_counter()
-        stdout, stderr, code = run_case(cmd, limit)
+        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} if "--expseg" in extra else None
+        stdout, stderr, code = run_case(cmd, limit, env)
         wall = round(time.perf_counter() - start, 1)
         if args.log:
             with open(args.log, "a") as f:
