@@ -10,8 +10,9 @@ Why it is built this way:
   go in by reference, with no serialisation and no worker processes to spawn.
 - weights go in through the engine model's own ``load_weights`` on GPU (unquantized: a copy into place; with the
   out-of-place merge below, a merged sync of the 0.5B shape took 0.062 s on an H200 against 0.115 s before) and
-  through the worker's ``reload_weights`` (vLLM's layerwise reload, >= 0.15) elsewhere: it loads checkpoint-format tensors and re-runs the kernel repacking, which the CPU backend
-  needs (it repacks every linear weight for oneDNN after loading).
+  through the worker's ``reload_weights`` (vLLM's layerwise reload, >= 0.15) elsewhere: it loads checkpoint-format
+  tensors and re-runs the kernel repacking, which the CPU backend needs (it repacks every linear weight for oneDNN
+  after loading).
 - three sync modes: ``adapter`` (LoRA only: save the adapter, serve it as a new ``LoRARequest``), ``merged``
   (each adapted weight plus its LoRA delta, out of place: the trained base stays bit-exact), ``full`` (full/freeze
   fine-tuning: push everything).
