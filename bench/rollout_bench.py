@@ -298,6 +298,8 @@ def _grpo_cfg(args, model_dir: Path, out: Path, backend: str, sync: str, sleep: 
             "packing": "off" if args.padded else "auto",
             # :misN: the sampled tokens' log-probs (mismatch metrics) on one step in N only
             "mismatch_every": args.mismatch_every,
+            # :tokN: micro-batches of at most N prompt + response tokens (and at most the micro-batch's samples)
+            "micro_batch_tokens": args.micro_tokens,
         },
         "reward": {"functions": {"answer_match": 1.0}},
         # data parallel: one colocated engine per GPU, the same prompts per GPU (the step's prompts are split)
@@ -359,6 +361,7 @@ def case_grpo(args, model_dir: Path) -> dict:
         "flex": args.flex,
         "padded": args.padded,
         "mismatch_every": args.mismatch_every,
+        "micro_batch_tokens": args.micro_tokens,
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         "exit": code,
         "gpus": args.gpus,
@@ -569,6 +572,7 @@ def table(results: list[dict]) -> str:
                 name += " +padded" if r.get("padded") else ""
                 name += " +expandable segments" if "expandable" in r.get("alloc_conf", "") else ""
                 name += f" +mismatch_every {r['mismatch_every']}" if r.get("mismatch_every", 1) > 1 else ""
+                name += f" +micro_batch_tokens {r['micro_batch_tokens']}" if r.get("micro_batch_tokens") else ""
                 parts = {k: r[f"timing_s/{k}"] for k in BREAKDOWN if r.get(f"timing_s/{k}") is not None}
                 mean, mx = r.get("rollout/logprob_diff_mean"), r.get("rollout/logprob_diff_max")
                 diff = f"{mean:.2e} / {mx:.2e}" if mean is not None else "-"
@@ -597,7 +601,8 @@ def main() -> None:
         default="adapter:16,adapter:64,merged:64",
         help="grpo: lora_sync:micro-batch pairs (train.per_device_batch_size; 16 = TRL's micro-batch here); "
         "more fields: :compile adds train.torch_compile, :overlap rollout.overlap, :padded rollout.packing off, "
-        ":misN rollout.mismatch_every N, :expseg torch's expandable segments (PYTORCH_CUDA_ALLOC_CONF; is a peak "
+        ":misN rollout.mismatch_every N, :tokN rollout.micro_batch_tokens N, :expseg torch's expandable segments "
+        "(PYTORCH_CUDA_ALLOC_CONF; is a peak "
         "fragmentation?), :flex flex attention with packed "
         "updates (e.g. adapter:64:compile:overlap)",
     )
@@ -650,6 +655,7 @@ def main() -> None:
     parser.add_argument("--padded", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--expseg", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mismatch-every", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--micro-tokens", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -671,10 +677,11 @@ def main() -> None:
     pairs = lambda text: [(p.split(":")[0], p.split(":")[1], p.split(":")[2:]) for p in text.split(",") if p]
     unknown = {e for text in (args.grpo_runs, args.sleep_runs) for _, _, extras in pairs(text) for e in extras}
     fields = {"compile", "overlap", "flex", "padded", "expseg"}
-    unknown = {e for e in unknown if not re.fullmatch(r"mis[1-9][0-9]*", e)}
+    unknown = {e for e in unknown if not re.fullmatch(r"(mis|tok)[1-9][0-9]*", e)}
     if unknown - fields:
-        parser.error(f"unknown run field(s) {sorted(unknown - fields)}: use {sorted(fields)} or misN")
-    flag = lambda extras: [f"--mismatch-every={e[3:]}" if e.startswith("mis") else f"--{e}" for e in extras]
+        parser.error(f"unknown run field(s) {sorted(unknown - fields)}: use {sorted(fields)}, misN or tokN")
+    numbered = {"mis": "--mismatch-every", "tok": "--micro-tokens"}
+    flag = lambda extras: [f"{numbered[e[:3]]}={e[3:]}" if e[:3] in numbered else f"--{e}" for e in extras]
     if "grpo" in cases:
         runs += [
             ["--case", "grpo", "--impl", impl, "--sync", s, "--micro", m, *flag(c)] for s, m, c in pairs(args.grpo_runs)

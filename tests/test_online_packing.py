@@ -14,8 +14,10 @@ from tests.conftest import TINY_MODEL
 
 from rlfactory.config.schema import AlgorithmConfig
 from rlfactory.engine.online.update import (
+    MicroBatching,
     MiniBatch,
     PackedRows,
+    Updater,
     actor_loss_fn,
     critic_loss_fn,
     host_lengths,
@@ -248,6 +250,53 @@ def test_packed_critic_values_loss_and_gradients_equal_padded_ones(model, batch,
     assert loss_packed == pytest.approx(loss, rel=1024 * EPS64)
     for a, b in zip(grads_packed, grads, strict=True):
         assert (a - b).abs().max() <= 1024 * EPS64 * b.abs().max()
+
+
+def test_micro_batches_end_at_the_sample_count_or_the_token_budget():
+    assert MicroBatching(4).spans([5, 5, 5, 5, 5]) == [(0, 4), (4, 5)]
+    assert MicroBatching(8, tokens=10).spans([4, 4, 4, 20, 1]) == [(0, 2), (2, 3), (3, 4), (4, 5)]  # 20: alone
+    assert MicroBatching(2, tokens=100).spans([1, 1, 1]) == [(0, 2), (2, 3)]  # the sample count still caps
+    assert MicroBatching(2, tokens=100).spans([]) == []
+
+
+@LAYOUTS
+def test_a_token_budget_cuts_the_update_into_smaller_micro_batches_with_the_same_step(model, batch, layout: str):
+    """``rollout.micro_batch_tokens`` through the Updater: every micro-batch of the update holds at most the budget's
+    prompt + response tokens (or one sample), there are more of them than samples allow alone, and the optimizer
+    step is the one the whole mini-batch gives (float64: the parameters agree to float64 rounding)."""
+    from accelerate import Accelerator
+
+    prompt, response = host_lengths(batch)
+    tokens = [p + r for p, r in zip(prompt, response, strict=True)]
+    alg = AlgorithmConfig(adv_estimator="grpo", entropy_coef=0.01)
+
+    def update(micro: MicroBatching):
+        net = copy.deepcopy(model)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+        updater = Updater(Accelerator(cpu=True), net, optimizer, scheduler, max_grad_norm=None)
+        updater.packing = layout
+        inner, calls = actor_loss_fn(net, batch, alg, 0.7, MAX_LEN), []
+
+        def loss_fn(rows, pos, mini, width, packed):
+            calls.append(rows.tolist())
+            return inner(rows, pos, mini, width, packed)
+
+        torch.manual_seed(0)  # the update's shuffle of the rows
+        updater.run(batch, alg, micro, batch.loss_mask, loss_fn, "actor")
+        return net, calls
+
+    whole, whole_calls = update(MicroBatching(8))
+    cut, cut_calls = update(MicroBatching(8, tokens=60))
+    assert len(whole_calls) == 1 and len(cut_calls) > 2
+    assert sorted(r for call in cut_calls for r in call) == list(range(len(PROMPTS)))
+    assert all(len(call) == 1 or sum(tokens[r] for r in call) <= 60 for call in cut_calls)
+    moved = 0.0
+    with torch.no_grad():
+        for a, b, before in zip(cut.parameters(), whole.parameters(), model.parameters(), strict=True):
+            assert (a - b).abs().max() <= 1024 * EPS64 * max(1.0, b.abs().max())
+            moved = max(moved, float((b - before).abs().max()))
+    assert moved > 1e-6  # the step did something
 
 
 def test_packing_setting(tmp_path):

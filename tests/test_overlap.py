@@ -106,12 +106,12 @@ def run_steps(cfg: RunConfig) -> tuple[list, list[dict]]:
 
 
 def logprobs_under(cfg: RunConfig, weights: dict, batch) -> torch.Tensor:
-    from rlfactory.engine.online.update import logprob_pass
+    from rlfactory.engine.online.update import MicroBatching, logprob_pass
     from rlfactory.model.loader import load_model
 
     model = load_model(cfg.model, cfg.lora, cfg.freeze)
     model.load_state_dict(weights)
-    return logprob_pass(model.eval(), batch, cfg.rollout.temperature, 8, False)
+    return logprob_pass(model.eval(), batch, cfg.rollout.temperature, MicroBatching(8), False)
 
 
 @pytest.mark.slow

@@ -246,7 +246,14 @@ def test_grpo_variants_lora_kl_loss_dynamic_sampling_epochs(tmp_path: Path):
         tmp_path,
         model={"finetuning": "lora"},
         lora={"r": 4, "alpha": 8},
-        rollout={"dynamic_sampling": True, "max_sampling_rounds": 2, "mask_truncated": True, "max_response_len": 24},
+        # a token budget of about two samples: the reference, old log-prob passes and the update in small micro-batches
+        rollout={
+            "dynamic_sampling": True,
+            "max_sampling_rounds": 2,
+            "mask_truncated": True,
+            "max_response_len": 24,
+            "micro_batch_tokens": 96,
+        },
         algorithm={
             "kl_loss_coef": 0.05,
             "ppo_epochs": 2,

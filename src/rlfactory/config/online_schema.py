@@ -55,6 +55,15 @@ class RolloutConfig(Section):
         "on: always (only for models whose attention builds its mask from position ids, as transformers' own models "
         "do); off: padded.",
     )
+    micro_batch_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="A token budget per micro-batch of the training and scoring passes: a micro-batch ends at "
+        "train.per_device_batch_size samples or at this many prompt + response tokens, whichever comes first (a "
+        "longer sample runs alone), so its activation memory is bounded whatever the response lengths and short "
+        "samples still share micro-batches (verl's ppo_max_token_len_per_gpu). The loss and gradients are those of "
+        "the whole mini-batch either way. null: samples only.",
+    )
     overlap: bool = Field(
         False,
         description="Overlapped generation, one step off-policy: step k+1's rollouts are generated (in a second "

@@ -289,12 +289,18 @@ def to_batch(run: Run, samples: list[Rollout]) -> RolloutBatch:
     return batch.to(run.accelerator.device)
 
 
+def micro_batching(cfg: Any) -> ops.MicroBatching:
+    """Every pass's micro-batches: ``train.per_device_batch_size`` samples, and at most ``rollout.micro_batch_tokens``
+    tokens where set."""
+    return ops.MicroBatching(cfg.train.per_device_batch_size, cfg.rollout.micro_batch_tokens)
+
+
 # --------------------------------------------------------------------------- 3-6: scoring passes, no gradient
 def reference_logprobs(run: Run, batch: RolloutBatch) -> None:
     """batch.ref_logprobs: the response under the reference policy (the run has one only with a KL term)."""
     if run.reference is None:
         return
-    temperature, micro = run.cfg.rollout.temperature, run.cfg.train.per_device_batch_size
+    temperature, micro = run.cfg.rollout.temperature, micro_batching(run.cfg)
     with run.timer("ref"), run.reference.weights(batch.input_ids.device) as model:
         batch.ref_logprobs = ops.logprob_pass(model, batch, temperature, micro, run.actor.packing, run.kernels)
 
@@ -306,7 +312,7 @@ def old_logprobs(run: Run, batch: RolloutBatch) -> None:
     if alg.ppo_epochs * alg.num_mini_batches == 1 and alg.kl_in_reward_coef == 0:
         return
     policy = run.accelerator.unwrap_model(run.actor.model)
-    temperature, micro = run.cfg.rollout.temperature, run.cfg.train.per_device_batch_size
+    temperature, micro = run.cfg.rollout.temperature, micro_batching(run.cfg)
     with run.timer("old_logprob"):
         batch.old_logprobs = ops.logprob_pass(policy, batch, temperature, micro, run.actor.packing, run.kernels)
 
@@ -318,7 +324,7 @@ def critic_values(run: Run, batch: RolloutBatch) -> None:
     critic = run.accelerator.unwrap_model(run.critic.model)  # no gradient: past DDP, as the other passes
     with run.timer("values"):
         forward = lambda rows, width, packed: ops.value_forward(critic, batch, rows, width, packed)
-        batch.values = ops.full_pass(forward, batch, run.cfg.train.per_device_batch_size, run.critic.packing)
+        batch.values = ops.full_pass(forward, batch, micro_batching(run.cfg), run.critic.packing)
 
 
 def compute_advantages(run: Run, batch: RolloutBatch) -> tuple[dict[str, float], list[float]]:
@@ -376,7 +382,7 @@ def score_batch(run: Run, batch: RolloutBatch) -> tuple[dict[str, float], list[f
 def update_models(run: Run, batch: RolloutBatch, step: int) -> tuple[dict[str, float], torch.Tensor | None]:
     """Critic then actor updates (the actor waits ``critic.warmup_steps``); returns the metrics and the trainer's
     log-probs of a single on-policy update (for the sampler mismatch), then syncs the sampler's weights."""
-    cfg, alg, micro = run.cfg, run.cfg.algorithm, run.cfg.train.per_device_batch_size
+    cfg, alg, micro = run.cfg, run.cfg.algorithm, micro_batching(run.cfg)
     ro, metrics, trainer_logprobs = cfg.rollout, {}, None
     if run.critic is not None:
         with run.timer("update_critic"):

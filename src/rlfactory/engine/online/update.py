@@ -149,6 +149,28 @@ def host_lengths(batch: Batch) -> tuple[list[int], list[int]]:
     return prompt, response
 
 
+@dataclass(frozen=True)
+class MicroBatching:
+    """How a pass cuts its rows into micro-batches: at most ``samples`` rows (``train.per_device_batch_size``) and,
+    with ``tokens`` (``rollout.micro_batch_tokens``), at most that many prompt + response tokens, so that a
+    micro-batch's activations are bounded whatever the response lengths (verl's dynamic batch size); a sample
+    longer than ``tokens`` runs alone."""
+
+    samples: int
+    tokens: int | None = None
+
+    def spans(self, lengths: list[int]) -> list[tuple[int, int]]:
+        """[start, end) of consecutive micro-batches over rows of these token counts, in order."""
+        spans, start, total = [], 0, 0
+        for i, n in enumerate(lengths):
+            full = i - start == self.samples or (self.tokens is not None and total + n > self.tokens)
+            if i > start and full:
+                spans.append((start, i))
+                start, total = i, 0
+            total += n
+        return spans + [(start, len(lengths))] if lengths else spans
+
+
 def packed_micro_batch(
     batch: Batch, prompt: list[int], response: list[int], rows: list[int], layout: PackLayout = "row"
 ) -> PackedRows:
@@ -233,23 +255,28 @@ def value_forward(
     return _to_full_width(response_logits(critic(**inputs), width_r), batch, rows)
 
 
-def micro_batches(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
-    return list(torch.split(rows, size))
+def _lengths(batch: Batch, packing: PackLayout, micro: MicroBatching) -> tuple[list[int], list[int]]:
+    """Each row's prompt and response length on the host (the prompts' only where packing or a token budget needs
+    them)."""
+    if packing or micro.tokens is not None:
+        return host_lengths(batch)
+    return [], batch.response_length.long().tolist()
 
 
 @torch.no_grad()
-def full_pass(fn: Callable[..., torch.Tensor], batch: Batch, size: int, packing: PackLayout = None) -> torch.Tensor:
+def full_pass(
+    fn: Callable[..., torch.Tensor], batch: Batch, micro: MicroBatching, packing: PackLayout = None
+) -> torch.Tensor:
     """``fn(rows, width, packed) -> (b, R)`` over the whole batch in micro-batches (no gradient); ``width`` is the
     micro-batch's longest response, read from the host once for the whole pass; ``packed`` its padding-free row
     (``packing``) or None."""
-    prompt, lengths = host_lengths(batch) if packing else ([], batch.response_length.long().tolist())
-    rows = torch.arange(len(lengths), device=batch.responses.device)
+    prompt, lengths = _lengths(batch, packing, micro)
+    tokens = [p + r for p, r in zip(prompt, lengths, strict=True)] if micro.tokens is not None else lengths
     out = []
-    for i, chunk in zip(range(0, len(lengths), size), micro_batches(rows, size), strict=True):
-        packed = (
-            packed_micro_batch(batch, prompt, lengths, list(range(i, i + len(chunk))), packing) if packing else None
-        )
-        out.append(fn(chunk, max(lengths[i : i + size]), packed).float())
+    for start, end in micro.spans(tokens):
+        chunk = torch.arange(start, end, device=batch.responses.device)
+        packed = packed_micro_batch(batch, prompt, lengths, list(range(start, end)), packing) if packing else None
+        out.append(fn(chunk, max(lengths[start:end]), packed).float())
     return torch.cat(out)
 
 
@@ -257,7 +284,7 @@ def logprob_pass(
     model: Any,
     batch: Batch,
     temperature: float,
-    size: int,
+    micro: MicroBatching,
     packing: PackLayout,
     kernels: HeadKernels = HeadKernels(),
 ) -> torch.Tensor:
@@ -265,7 +292,7 @@ def logprob_pass(
     forward = lambda rows, width, packed: policy_forward(  # noqa: E731
         model, batch, rows, temperature, "none", width, packed, kernels
     )[0]
-    return full_pass(forward, batch, size, packing)
+    return full_pass(forward, batch, micro, packing)
 
 
 def token_rewards(batch: Batch, kl_penalty: torch.Tensor | None, kl_coef: float) -> torch.Tensor:
@@ -365,9 +392,10 @@ class Updater:
     On several processes each rank runs this on its own equal share of the rows: it shuffles its share (its own
     RNG, restored per rank on resume) and its k-th chunk is its part of mini-batch k, so a mini-batch is the union
     of every rank's k-th chunk (one process shuffles all rows instead: the same distribution of mini-batches, not
-    the same draw). Every rank runs the same micro-batches (equal shares; a mini-batch without tokens is skipped
+    the same draw). Every rank runs the same mini-batches (equal shares; a mini-batch without tokens is skipped
     only when no rank has any), as DDP needs; the gradient is synchronised once per mini-batch (``no_sync`` before
-    the last micro-batch).
+    the last micro-batch), so under a token budget (``MicroBatching.tokens``) ranks may cut their shares into
+    different numbers of micro-batches.
     """
 
     def __init__(
@@ -394,7 +422,7 @@ class Updater:
         self,
         batch: Batch,
         alg: AlgorithmConfig,
-        micro: int,
+        micro: MicroBatching,
         mask: torch.Tensor,
         loss_fn: LossFn,
         prefix: str,
@@ -408,7 +436,8 @@ class Updater:
         world = 1 if self.ranks is None else self.ranks.world
         # row order, lengths and which mini-batches have tokens live on the host: every micro-batch's shape is
         # known without asking the GPU, so the CPU queues micro-batches back to back (one sync per call)
-        prompt, response = host_lengths(batch) if self.packing else ([], batch.response_length.long().tolist())
+        prompt, response = _lengths(batch, self.packing, micro)
+        tokens = [p + r for p, r in zip(prompt, response, strict=True)] if micro.tokens is not None else response
         has_tokens = (mask.sum(-1) > 0).cpu()
         for _ in range(alg.ppo_epochs):
             order = torch.randperm(len(response))
@@ -429,16 +458,17 @@ class Updater:
                 mini_batch = self._mini_batch(mask, mini_rows)
                 mini: dict[str, Any] = defaultdict(float)
                 mini_loss = torch.zeros((), device=device)
-                starts = range(0, len(mini_host), micro)
-                for start in starts:
-                    pos = torch.arange(start, min(start + micro, len(mini_host)), device=device)
-                    host_rows = mini_host[start : start + micro].tolist()
+                order_host = mini_host.tolist()
+                spans = micro.spans([tokens[i] for i in order_host])
+                for start, end in spans:
+                    pos = torch.arange(start, end, device=device)
+                    host_rows = order_host[start:end]
                     width = max(response[i] for i in host_rows)
                     packed = (
                         packed_micro_batch(batch, prompt, response, host_rows, self.packing) if self.packing else None
                     )
                     rows = mini_rows[pos]
-                    last = start == starts[-1]
+                    last = (start, end) == spans[-1]
                     with nullcontext() if last or world == 1 else self.accelerator.no_sync(self.model):
                         with autocast_forward(self.accelerator, self.model):
                             part = loss_fn(rows, pos, mini_batch, width, packed)
