@@ -43,6 +43,9 @@ CASES = {
 }
 # the same with packed micro-batches (``rollout.packing: on``): each rank packs its own rows into padding-free rows
 CASES["gae_seq_sum_norm_packed"] = {**CASES["gae_seq_sum_norm"], "rollout": {"packing": "on"}}
+# a token budget per micro-batch (``rollout.micro_batch_tokens``, 5..17 tokens a sample): the ranks cut their shares
+# into different numbers of micro-batches, and DDP still synchronises once per mini-batch
+CASES["grpo_token_budget_packed"] = {**CASES["grpo_token_mean"], "rollout": {"packing": "on", "micro_batch_tokens": 12}}
 MAX_LEN = 12
 
 

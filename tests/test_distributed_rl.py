@@ -60,8 +60,9 @@ def test_an_update_on_fixed_rollouts_is_the_same_on_one_and_two_processes(tmp_pa
     """tests/distributed_rl_update.py runs the real phases (to_batch, score_batch, update_models) on 8 fixed samples
     with grpo + token-mean + KL loss, reinforce_plus_plus (batch whitening) + seq-mean-token-mean, and gae (a
     critic, batch whitening, the adaptive in-reward KL) + seq-mean-token-sum-norm, that again with packed
-    micro-batches (``rollout.packing: on``), 2 optimizer steps each; on two processes each rank trains 4 of the 8
-    rows.
+    micro-batches (``rollout.packing: on``), and grpo with packed micro-batches cut by a token budget
+    (``rollout.micro_batch_tokens``: the ranks run different numbers of micro-batches), 2 optimizer steps each; on
+    two processes each rank trains 4 of the 8 rows.
 
     Tolerances: the first step's gradient (after DDP's sync, unclipped; the parameters are still the initial ones)
     differs only by float32 rounding of sums taken in another order over differently trimmed micro-batches: within
@@ -81,7 +82,13 @@ def test_an_update_on_fixed_rollouts_is_the_same_on_one_and_two_processes(tmp_pa
     assert one.returncode == 0, failure_output(one.stderr)
     two = torchrun(script, str(tmp_path / "two"))
     assert two.returncode == 0, failure_output(two.stderr)
-    for case in ("grpo_token_mean", "rpp_seq_mean", "gae_seq_sum_norm", "gae_seq_sum_norm_packed"):
+    for case in (
+        "grpo_token_mean",
+        "rpp_seq_mean",
+        "gae_seq_sum_norm",
+        "gae_seq_sum_norm_packed",
+        "grpo_token_budget_packed",
+    ):
         a, b = (torch.load(tmp_path / run / f"{case}.pt") for run in ("one", "two"))
         assert a["grads"].keys() == b["grads"].keys()
         for step_key in sorted({".".join(k.split(".")[:2]) for k in a["grads"]}):  # policy.0, policy.1, critic.0, ...
