@@ -10,6 +10,7 @@ another and computes exactly what it computes alone, at the cost of its own toke
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -44,6 +45,28 @@ def padded_width(lengths: Sequence[int], align: int = 1, cap: int | None = None)
         return longest
     aligned = round_up(longest, align)
     return aligned if cap is None else max(longest, min(aligned, cap))
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How a pass cuts its rows into micro-batches: at most ``samples`` rows (``train.per_device_batch_size``) and,
+    with ``tokens`` (``rollout.micro_batch_tokens``), at most that many prompt + response tokens, so that a
+    micro-batch's activations are bounded whatever the response lengths (verl's dynamic batch size); a sample
+    longer than ``tokens`` runs alone."""
+
+    samples: int
+    tokens: int | None = None
+
+    def spans(self, lengths: list[int]) -> list[tuple[int, int]]:
+        """[start, end) of consecutive micro-batches over rows of these token counts, in order."""
+        spans, start, total = [], 0, 0
+        for i, n in enumerate(lengths):
+            full = i - start == self.samples or (self.tokens is not None and total + n > self.tokens)
+            if i > start and full:
+                spans.append((start, i))
+                start, total = i, 0
+            total += n
+        return spans + [(start, len(lengths))] if lengths else spans
 
 
 def first_fit(lengths: Sequence[int]) -> list[list[int]]:

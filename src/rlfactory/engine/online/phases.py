@@ -42,7 +42,7 @@ import torch
 
 from rlfactory.algos.common import HeadKernels
 from rlfactory.config.schema import RunConfig
-from rlfactory.data.packing import ALIGN_COLUMNS
+from rlfactory.data.packing import ALIGN_COLUMNS, MicroBatching
 from rlfactory.engine.health import HealthMonitor
 from rlfactory.engine.online import update as ops
 from rlfactory.engine.online.overlap import Prefetch, Round, generate_round
@@ -289,10 +289,10 @@ def to_batch(run: Run, samples: list[Rollout]) -> RolloutBatch:
     return batch.to(run.accelerator.device)
 
 
-def micro_batching(cfg: Any) -> ops.MicroBatching:
+def micro_batching(cfg: Any) -> MicroBatching:
     """Every pass's micro-batches: ``train.per_device_batch_size`` samples, and at most ``rollout.micro_batch_tokens``
     tokens where set."""
-    return ops.MicroBatching(cfg.train.per_device_batch_size, cfg.rollout.micro_batch_tokens)
+    return MicroBatching(cfg.train.per_device_batch_size, cfg.rollout.micro_batch_tokens)
 
 
 # --------------------------------------------------------------------------- 3-6: scoring passes, no gradient

@@ -37,7 +37,7 @@ from rlfactory.algos.common import (
     token_logprobs,
 )
 from rlfactory.config.schema import AlgorithmConfig
-from rlfactory.data.packing import ALIGN_COLUMNS, first_fit, round_up
+from rlfactory.data.packing import ALIGN_COLUMNS, MicroBatching, first_fit, round_up
 from rlfactory.engine.shared import NonFiniteGuard, autocast_forward, backward, clip_grad_norm
 from rlfactory.model.lm_head import final_hidden, lm_parts, select_rows
 from rlfactory.rollout.batch import RolloutBatch, response_logits
@@ -147,28 +147,6 @@ def host_lengths(batch: Batch) -> tuple[list[int], list[int]]:
     width_p = batch.input_ids.shape[1] - batch.responses.shape[1]
     prompt, response = torch.stack([batch.attention_mask[:, :width_p].sum(-1), batch.response_length.long()]).tolist()
     return prompt, response
-
-
-@dataclass(frozen=True)
-class MicroBatching:
-    """How a pass cuts its rows into micro-batches: at most ``samples`` rows (``train.per_device_batch_size``) and,
-    with ``tokens`` (``rollout.micro_batch_tokens``), at most that many prompt + response tokens, so that a
-    micro-batch's activations are bounded whatever the response lengths (verl's dynamic batch size); a sample
-    longer than ``tokens`` runs alone."""
-
-    samples: int
-    tokens: int | None = None
-
-    def spans(self, lengths: list[int]) -> list[tuple[int, int]]:
-        """[start, end) of consecutive micro-batches over rows of these token counts, in order."""
-        spans, start, total = [], 0, 0
-        for i, n in enumerate(lengths):
-            full = i - start == self.samples or (self.tokens is not None and total + n > self.tokens)
-            if i > start and full:
-                spans.append((start, i))
-                start, total = i, 0
-            total += n
-        return spans + [(start, len(lengths))] if lengths else spans
 
 
 def packed_micro_batch(
