@@ -93,11 +93,21 @@ def close_process_group(finished: bool = True) -> None:
 
     torch = sys.modules.get("torch")  # not imported: nothing was set up
     if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        gloo = torch.distributed.get_backend() == "gloo"
         if finished and torch.distributed.get_world_size() > 1:
             torch.distributed.barrier()
-        elif torch.distributed.get_backend() != "gloo":
+        elif not gloo:
             return
         torch.distributed.destroy_process_group()
+        if gloo:
+            # DDP keeps the group's C++ object alive past destroy_process_group (torch 2.13: about ten references
+            # remain once a DDP model existed), so its worker threads are never joined; one that drops a finished
+            # collective's tensors after the main thread has begun finalizing aborts the rank as above (seen once
+            # in CI on a loaded 2-core machine, two-node sft). A moment for them to finish while the interpreter
+            # is alive; a cost of 0.2 s at the end of a CPU run of several processes.
+            import time
+
+            time.sleep(0.2)
 
 
 def maybe_launch(config: RunConfig | PipelineConfig, train_args: list[str]) -> int | None:
