@@ -357,6 +357,7 @@ def test_reward_needing_an_answer_on_a_dataset_without_one(tmp_path: Path):
         ("algorithm", {"loss_agg": "mean"}, ["unknown loss aggregation 'mean'", "token-mean"]),
         ("algorithm", {"kl_loss_estimator": "k4"}, ["unknown kl estimator 'k4'", "k1, k2, k3"]),
         ("rollout", {"num_samples": 1}, ["rollout.num_samples must be >= 2"]),
+        ("rollout", {"micro_batch_tokens": 0}, ["rollout.micro_batch_tokens", "greater than or equal to 1"]),
         ("reward", {"functions": {"missing.py:score": 1.0}}, ["'missing.py:score': file 'missing.py' does not exist"]),
         ("reward", {"functions": {"answer_match": 1.0}, "reward_model": "no/such/rm"}, ["'no/such/rm' is not a dir"]),
     ],
