@@ -233,12 +233,15 @@ def value_forward(
     return _to_full_width(response_logits(critic(**inputs), width_r), batch, rows)
 
 
-def _lengths(batch: Batch, packing: PackLayout, micro: MicroBatching) -> tuple[list[int], list[int]]:
+def _lengths(batch: Batch, packing: PackLayout, micro: MicroBatching) -> tuple[list[int], list[int], list[int]]:
     """Each row's prompt and response length on the host (the prompts' only where packing or a token budget needs
-    them)."""
-    if packing or micro.tokens is not None:
-        return host_lengths(batch)
-    return [], batch.response_length.long().tolist()
+    them), and the counts ``micro`` cuts by: prompt + response under a token budget, else the response."""
+    if not packing and micro.tokens is None:
+        response = batch.response_length.long().tolist()
+        return [], response, response
+    prompt, response = host_lengths(batch)
+    tokens = [p + r for p, r in zip(prompt, response, strict=True)] if micro.tokens is not None else response
+    return prompt, response, tokens
 
 
 @torch.no_grad()
@@ -248,8 +251,7 @@ def full_pass(
     """``fn(rows, width, packed) -> (b, R)`` over the whole batch in micro-batches (no gradient); ``width`` is the
     micro-batch's longest response, read from the host once for the whole pass; ``packed`` its padding-free row
     (``packing``) or None."""
-    prompt, lengths = _lengths(batch, packing, micro)
-    tokens = [p + r for p, r in zip(prompt, lengths, strict=True)] if micro.tokens is not None else lengths
+    prompt, lengths, tokens = _lengths(batch, packing, micro)
     out = []
     for start, end in micro.spans(tokens):
         chunk = torch.arange(start, end, device=batch.responses.device)
@@ -414,8 +416,7 @@ class Updater:
         world = 1 if self.ranks is None else self.ranks.world
         # row order, lengths and which mini-batches have tokens live on the host: every micro-batch's shape is
         # known without asking the GPU, so the CPU queues micro-batches back to back (one sync per call)
-        prompt, response = _lengths(batch, self.packing, micro)
-        tokens = [p + r for p, r in zip(prompt, response, strict=True)] if micro.tokens is not None else response
+        prompt, response, tokens = _lengths(batch, self.packing, micro)
         has_tokens = (mask.sum(-1) > 0).cpu()
         for _ in range(alg.ppo_epochs):
             order = torch.randperm(len(response))
