@@ -149,3 +149,32 @@ def test_an_engine_model_with_mla_attention_is_not_synced_by_a_plain_copy():
     dense = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     assert not derives_weights_after_loading(dense)
     assert derives_weights_after_loading(torch.nn.Sequential(torch.nn.Linear(2, 2), MLAAttention()))
+
+
+def test_online_runs_default_to_expandable_segments_unless_the_user_or_sleep_mode_decides(tmp_path: Path):
+    from rlfactory.engine.environment import (
+        EXPANDABLE_SEGMENTS,
+        apply_online_allocator_setting,
+        online_allocator_setting,
+    )
+
+    awake = RunConfig.model_validate(grpo_vllm(tmp_path))
+    assert online_allocator_setting(awake, {}) == EXPANDABLE_SEGMENTS
+    hf = RunConfig.model_validate(grpo_vllm(tmp_path, backend="hf"))
+    assert online_allocator_setting(hf, {}) == EXPANDABLE_SEGMENTS
+    # the user's own PYTORCH_CUDA_ALLOC_CONF wins, whatever it says
+    assert online_allocator_setting(awake, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}) is None
+    # vLLM's sleep mode allocates from a memory pool that refuses expandable segments
+    asleep = RunConfig.model_validate(grpo_vllm(tmp_path, enable_sleep_mode=True))
+    assert online_allocator_setting(asleep, {}) is None
+    sft = RunConfig.model_validate(
+        {
+            "stage": "sft",
+            "output_dir": str(tmp_path / "sft"),
+            "model": {"name_or_path": str(TINY_MODEL)},
+            "data": {"dataset": "arith_sft", "dataset_dir": str(DATA_DIR)},
+        }
+    )
+    assert online_allocator_setting(sft, {}) is None  # offline stages: not measured there, left as torch has it
+    if not torch.cuda.is_available():
+        assert apply_online_allocator_setting(awake) is None  # nothing to set without CUDA

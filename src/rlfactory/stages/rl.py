@@ -189,12 +189,14 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
     from accelerate.utils import set_seed
 
+    from rlfactory.engine.environment import apply_online_allocator_setting
     from rlfactory.engine.online.loop import check_world, train
     from rlfactory.model.loader import load_model, load_tokenizer
     from rlfactory.model.value_head import load_value_model
 
     resume_from = common.preflight(cfg)
     check_backend(cfg)  # here, not in check(): `config check` validates a config, not this environment
+    apply_online_allocator_setting(cfg)  # before anything allocates on the GPU
     # the process count as the launcher (torchrun, accelerate launch) sets it, before any model loads or anything is
     # written; build_run checks it again on the Accelerator's own count
     world = int(os.environ.get("WORLD_SIZE", "1"))
