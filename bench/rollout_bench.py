@@ -362,7 +362,8 @@ def case_grpo(args, model_dir: Path) -> dict:
         "padded": args.padded,
         "mismatch_every": args.mismatch_every,
         "micro_batch_tokens": args.micro_tokens,
-        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        # what the run's allocator used: the user's setting, else the online stages' default without sleep mode
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "" if args.sleep else "expandable_segments:True"),
         "exit": code,
         "gpus": args.gpus,
         "log_step_s": log_step_s,
@@ -570,7 +571,7 @@ def table(results: list[dict]) -> str:
                 name += " +overlap" if r.get("overlap") else ""
                 name += " +flex (packed)" if r.get("flex") else ""
                 name += " +padded" if r.get("padded") else ""
-                name += " +expandable segments" if "expandable" in r.get("alloc_conf", "") else ""
+                name += " +fixed segments" if "expandable_segments:False" in r.get("alloc_conf", "") else ""
                 name += f" +mismatch_every {r['mismatch_every']}" if r.get("mismatch_every", 1) > 1 else ""
                 name += f" +micro_batch_tokens {r['micro_batch_tokens']}" if r.get("micro_batch_tokens") else ""
                 parts = {k: r[f"timing_s/{k}"] for k in BREAKDOWN if r.get(f"timing_s/{k}") is not None}
@@ -601,9 +602,9 @@ def main() -> None:
         default="adapter:16,adapter:64,merged:64",
         help="grpo: lora_sync:micro-batch pairs (train.per_device_batch_size; 16 = TRL's micro-batch here); "
         "more fields: :compile adds train.torch_compile, :overlap rollout.overlap, :padded rollout.packing off, "
-        ":misN rollout.mismatch_every N, :tokN rollout.micro_batch_tokens N, :expseg torch's expandable segments "
-        "(PYTORCH_CUDA_ALLOC_CONF; is a peak "
-        "fragmentation?), :flex flex attention with packed "
+        ":misN rollout.mismatch_every N, :tokN rollout.micro_batch_tokens N, :fixedseg torch's fixed-size segments "
+        "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False; the online stages use expandable ones by default "
+        "without sleep mode), :flex flex attention with packed "
         "updates (e.g. adapter:64:compile:overlap)",
     )
     parser.add_argument("--sleep-runs", default="adapter:64,merged:64", help="memory: the same, with sleep mode")
@@ -653,7 +654,7 @@ def main() -> None:
     parser.add_argument("--overlap", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--flex", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--padded", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--expseg", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--fixedseg", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mismatch-every", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--micro-tokens", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -676,7 +677,7 @@ def main() -> None:
     # "sync:micro" plus optional fields ":compile" (train.torch_compile) and ":overlap" (rollout.overlap)
     pairs = lambda text: [(p.split(":")[0], p.split(":")[1], p.split(":")[2:]) for p in text.split(",") if p]
     unknown = {e for text in (args.grpo_runs, args.sleep_runs) for _, _, extras in pairs(text) for e in extras}
-    fields = {"compile", "overlap", "flex", "padded", "expseg"}
+    fields = {"compile", "overlap", "flex", "padded", "fixedseg"}
     unknown = {e for e in unknown if not re.fullmatch(r"(mis|tok)[1-9][0-9]*", e)}
     if unknown - fields:
         parser.error(f"unknown run field(s) {sorted(unknown - fields)}: use {sorted(fields)}, misN or tokN")
@@ -716,7 +717,7 @@ def main() -> None:
             launch += ["--mixed_precision=bf16", f"--main_process_port={free_port()}"]  # side-by-side runs
             cmd = [sys.executable, *launch, *cmd[1:]]
         start = time.perf_counter()
-        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} if "--expseg" in extra else None
+        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"} if "--fixedseg" in extra else None
         stdout, stderr, code = run_case(cmd, limit, env)
         wall = round(time.perf_counter() - start, 1)
         if args.log:
