@@ -164,6 +164,7 @@ def test_online_runs_default_to_expandable_segments_unless_the_user_or_sleep_mod
     assert online_allocator_setting(hf, {}) == EXPANDABLE_SEGMENTS
     # the user's own PYTORCH_CUDA_ALLOC_CONF wins, whatever it says
     assert online_allocator_setting(awake, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}) is None
+    assert online_allocator_setting(awake, {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}) is None
     # vLLM's sleep mode allocates from a memory pool that refuses expandable segments
     asleep = RunConfig.model_validate(grpo_vllm(tmp_path, enable_sleep_mode=True))
     assert online_allocator_setting(asleep, {}) is None

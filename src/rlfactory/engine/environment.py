@@ -60,6 +60,7 @@ def environment_problems(cfg: RunConfig) -> list[str]:
 
 
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
+USER_ALLOC_CONF = {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"}  # torch reads either (the second since 2.9)
 
 
 def online_allocator_setting(cfg: RunConfig, environ: dict[str, str]) -> str | None:
@@ -69,9 +70,9 @@ def online_allocator_setting(cfg: RunConfig, environ: dict[str, str]) -> str | N
     rollouts of any length); with fixed-size segments the allocator keeps what one phase freed and reserves more for
     the next. Measured on an H200 (GRPO, responses of 32..1024 tokens, docs/BENCHMARKS.md): peak 99 GB with fixed
     segments, 68.5 GB with expandable ones, TRL's GRPOTrainer 72.6 GB. None where the user chose
-    (``PYTORCH_CUDA_ALLOC_CONF`` set) or where it cannot apply: offline stages (not measured there) and vLLM's sleep
-    mode (its memory pool refuses expandable segments)."""
-    if cfg.rollout is None or "PYTORCH_CUDA_ALLOC_CONF" in environ:
+    (``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF`` set) or where it cannot apply: offline stages (not
+    measured there) and vLLM's sleep mode (its memory pool refuses expandable segments)."""
+    if cfg.rollout is None or USER_ALLOC_CONF.intersection(environ):
         return None
     if cfg.rollout.backend == "vllm" and cfg.rollout.enable_sleep_mode:
         return None
