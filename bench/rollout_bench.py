@@ -322,6 +322,8 @@ def case_grpo(args, model_dir: Path) -> dict:
     import yaml
 
     from rlfactory.cli import main
+    from rlfactory.config.schema import RunConfig
+    from rlfactory.engine.environment import online_allocator_setting
     from rlfactory.engine.online import loop as online
     from rlfactory.engine.run_dir import read_log
 
@@ -362,8 +364,10 @@ def case_grpo(args, model_dir: Path) -> dict:
         "padded": args.padded,
         "mismatch_every": args.mismatch_every,
         "micro_batch_tokens": args.micro_tokens,
-        # what the run's allocator used: the user's setting, else the online stages' default without sleep mode
-        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "" if args.sleep else "expandable_segments:True"),
+        # what the run's allocator used: the user's setting, else the online stages' default (the product's rule)
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        or online_allocator_setting(RunConfig.model_validate(cfg), dict(os.environ))
+        or "",
         "exit": code,
         "gpus": args.gpus,
         "log_step_s": log_step_s,
