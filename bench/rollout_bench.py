@@ -20,7 +20,7 @@ emit the end-of-turn token (1 in 151,936 per token), so GRPO completions run to 
           vllm_mode colocate, beta 0, 16 completions per micro-batch x 4 accumulation steps = one generation of
           8 prompts x 8 samples per optimizer step, ignore_eos; TRL's other defaults (gradient checkpointing,
           vLLM importance-sampling correction, so its extra no-grad log-prob pass). ``--trl-runs`` names TRL
-          variants (``nogc``, ``micro64``, ``nois``, ``liger`` joined by ':'); the table's ratio is against the
+          variants (``nogc``, ``microN``, ``nois``, ``liger`` joined by ':'); the table's ratio is against the
           fastest TRL run of the call. ``--trl-no-gc`` is ``--trl-runs default,nogc``.
 - memory: the ``--sleep-runs`` pairs again with enable_sleep_mode (peak device memory vs the same grpo run).
 - ``--var-lengths 32:1024 --tokens 1024``: every case again with variable response lengths: each sample's
@@ -215,14 +215,15 @@ def case_gen(args, model_dir: Path) -> dict:
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(3, 1000, (args.prompts, 32), generator=gen).tolist()
     repeated = [p for p in prompts for _ in range(args.samples)]
-    cfg = _grpo_cfg(args, model_dir, Path(tempfile.mkdtemp()), args.impl, "adapter", False)
+    engine = "vllm" if args.impl == "vllm_mp" else args.impl  # vllm_mp: the env of run_case's caller (main)
+    cfg = _grpo_cfg(args, model_dir, Path(tempfile.mkdtemp()), engine, "adapter", False)
     cfg["model"]["finetuning"] = "full"
     cfg["rollout"]["generation_batch_size"] = len(repeated)
     backend = build_backend(RunConfig.model_validate(cfg), model, tokenizer)
     params = SamplingParams(args.tokens, temperature=1.0, ignore_eos=True)
     backend.generate(repeated[: args.samples], SamplingParams(8, 1.0, ignore_eos=True))  # warmup
     times = []
-    for _ in range(args.repeats if args.impl == "vllm" else 1):  # HF generate is slow: one timed run
+    for _ in range(args.repeats if engine == "vllm" else 1):  # HF generate is slow: one timed run
         sync()
         start = time.perf_counter()
         out = backend.generate(repeated, params)
@@ -237,7 +238,7 @@ def case_gen(args, model_dir: Path) -> dict:
         "seconds": round(statistics.median(times), 4),
         "tokens_per_s": round(tokens / statistics.median(times), 1),
     }
-    if args.impl == "vllm":  # where a GRPO step's generation goes: its shape, with and without sampler log-probs
+    if engine == "vllm":  # where a GRPO step's generation goes: its shape, with and without sampler log-probs
         from rlfactory.rollout import vllm as vllm_backend
 
         step_batch = repeated[: args.grpo_prompts * args.samples]
@@ -340,6 +341,8 @@ def case_grpo(args, model_dir: Path) -> dict:
         return result
 
     online.step = timed_step
+    if args.switch_us:  # :switchN: the overlap thread's decode loop and the update contend for the GIL
+        sys.setswitchinterval(args.switch_us / 1e6)
     with PeakMemory() as memory:
         code = main(["train", str(out / "run.yaml")])
     records = [r for r in read_log(out / "run") if "score/mean" in r]
@@ -364,6 +367,7 @@ def case_grpo(args, model_dir: Path) -> dict:
         "padded": args.padded,
         "mismatch_every": args.mismatch_every,
         "micro_batch_tokens": args.micro_tokens,
+        "switch_interval_us": round(sys.getswitchinterval() * 1e6),
         # what the run's allocator used: the user's setting, else the online stages' default (the product's rule)
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
         or online_allocator_setting(RunConfig.model_validate(cfg), dict(os.environ))
@@ -439,10 +443,11 @@ def case_trl(args, model_dir: Path) -> dict:
         def on_log(self, a, state, control, logs=None, **k):
             records.append(dict(logs or {}))
 
-    # TRL's switches (--trl-runs fields): nogc = no gradient checkpointing, micro64 = 64 completions per forward,
+    # TRL's switches (--trl-runs fields): nogc = no gradient checkpointing, microN = N completions per forward,
     # nois = vllm_importance_sampling_correction off (no extra no-grad log-prob pass), liger = Liger's GRPO loss
     variant = set(args.trl_variant.split(":")) - {"default", ""}
-    micro = min(64 if "micro64" in variant else 16, args.grpo_prompts * args.samples)
+    micros = [int(f[5:]) for f in variant if f.startswith("micro")]
+    micro = min(micros[0] if micros else 16, args.grpo_prompts * args.samples)
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(),
         max_steps=args.steps,
@@ -578,6 +583,8 @@ def table(results: list[dict]) -> str:
                 name += " +fixed segments" if "expandable_segments:False" in r.get("alloc_conf", "") else ""
                 name += f" +mismatch_every {r['mismatch_every']}" if r.get("mismatch_every", 1) > 1 else ""
                 name += f" +micro_batch_tokens {r['micro_batch_tokens']}" if r.get("micro_batch_tokens") else ""
+                switch = r.get("switch_interval_us", 5000)
+                name += f" +switch interval {switch} us" if switch != 5000 else ""
                 parts = {k: r[f"timing_s/{k}"] for k in BREAKDOWN if r.get(f"timing_s/{k}") is not None}
                 mean, mx = r.get("rollout/logprob_diff_mean"), r.get("rollout/logprob_diff_max")
                 diff = f"{mean:.2e} / {mx:.2e}" if mean is not None else "-"
@@ -606,7 +613,8 @@ def main() -> None:
         default="adapter:16,adapter:64,merged:64",
         help="grpo: lora_sync:micro-batch pairs (train.per_device_batch_size; 16 = TRL's micro-batch here); "
         "more fields: :compile adds train.torch_compile, :overlap rollout.overlap, :padded rollout.packing off, "
-        ":misN rollout.mismatch_every N, :tokN rollout.micro_batch_tokens N, :fixedseg torch's fixed-size segments "
+        ":misN rollout.mismatch_every N, :tokN rollout.micro_batch_tokens N, :switchN Python's thread switch interval "
+        "in microseconds (sys.setswitchinterval; 5000 by default), :fixedseg torch's fixed-size segments "
         "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False; the online stages use expandable ones by default "
         "without sleep mode), :flex flex attention with packed "
         "updates (e.g. adapter:64:compile:overlap)",
@@ -619,10 +627,16 @@ def main() -> None:
         "--trl-runs",
         default="default",
         help="trl: TRL GRPOTrainer variants, comma-separated, each fields joined by ':' from nogc (no gradient "
-        "checkpointing), micro64 (64 completions per micro-batch), nois (vllm_importance_sampling_correction off), "
-        "liger (use_liger_kernel), or default; the ratio is against the fastest",
+        "checkpointing), microN (N completions per micro-batch, e.g. micro64; 16 without it), nois "
+        "(vllm_importance_sampling_correction off), liger (use_liger_kernel), or default; the ratio is against the "
+        "fastest",
     )
-    parser.add_argument("--gen-impls", default="vllm,hf", help="gen: backends to time")
+    parser.add_argument(
+        "--gen-impls",
+        default="vllm,hf",
+        help="gen: backends to time: vllm, hf, vllm_mp (vLLM's engine core in its own process, as vLLM runs it "
+        "by default; the product keeps it in process to reach its weights)",
+    )
     parser.add_argument("--trl-variant", default="default", help=argparse.SUPPRESS)
     parser.add_argument("--impl", default=None, help="grpo/memory: rollout backend (vllm; hf for CPU smoke)")
     parser.add_argument(
@@ -661,6 +675,7 @@ def main() -> None:
     parser.add_argument("--fixedseg", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mismatch-every", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--micro-tokens", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--switch-us", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -673,20 +688,22 @@ def main() -> None:
     cases = args.cases.split(",")
     # the side-by-side speed runs first: what a cut-off call still brings back
     trl_runs = [v for v in args.trl_runs.split(",") if v] + (["nogc"] if args.trl_no_gc else [])
-    unknown = {f for v in trl_runs for f in v.split(":")} - {"default", "nogc", "micro64", "nois", "liger"}
+    unknown = {f for v in trl_runs for f in v.split(":")} - {"default", "nogc", "nois", "liger"}
+    unknown = {f for f in unknown if not re.fullmatch(r"micro[1-9][0-9]*", f)}
     if unknown:
-        parser.error(f"unknown --trl-runs field(s) {sorted(unknown)}: use default, nogc, micro64, nois, liger")
+        parser.error(f"unknown --trl-runs field(s) {sorted(unknown)}: use default, nogc, microN, nois, liger")
     if "trl" in cases:  # the first TRL variant first: what a cut-off call still brings back
         runs += [["--case", "trl", "--trl-variant", trl_runs[0]]]
     # "sync:micro" plus optional fields ":compile" (train.torch_compile) and ":overlap" (rollout.overlap)
     pairs = lambda text: [(p.split(":")[0], p.split(":")[1], p.split(":")[2:]) for p in text.split(",") if p]
     unknown = {e for text in (args.grpo_runs, args.sleep_runs) for _, _, extras in pairs(text) for e in extras}
     fields = {"compile", "overlap", "flex", "padded", "fixedseg"}
-    unknown = {e for e in unknown if not re.fullmatch(r"(mis|tok)[1-9][0-9]*", e)}
+    unknown = {e for e in unknown if not re.fullmatch(r"(mis|tok|switch)[1-9][0-9]*", e)}
     if unknown - fields:
-        parser.error(f"unknown run field(s) {sorted(unknown - fields)}: use {sorted(fields)}, misN or tokN")
-    numbered = {"mis": "--mismatch-every", "tok": "--micro-tokens"}
-    flag = lambda extras: [f"{numbered[e[:3]]}={e[3:]}" if e[:3] in numbered else f"--{e}" for e in extras]
+        parser.error(f"unknown run field(s) {sorted(unknown - fields)}: use {sorted(fields)}, misN, tokN or switchN")
+    numbered = {"mis": "--mismatch-every", "tok": "--micro-tokens", "switch": "--switch-us"}
+    prefix = lambda e: next((k for k in numbered if re.fullmatch(f"{k}[0-9]+", e)), None)
+    flag = lambda extras: [f"{numbered[prefix(e)]}={e[len(prefix(e)):]}" if prefix(e) else f"--{e}" for e in extras]
     if "grpo" in cases:
         runs += [
             ["--case", "grpo", "--impl", impl, "--sync", s, "--micro", m, *flag(c)] for s, m, c in pairs(args.grpo_runs)
@@ -722,6 +739,8 @@ def main() -> None:
             cmd = [sys.executable, *launch, *cmd[1:]]
         start = time.perf_counter()
         env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"} if "--fixedseg" in extra else None
+        if "vllm_mp" in extra:  # apply_model's functions cross the process boundary pickled
+            env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
         stdout, stderr, code = run_case(cmd, limit, env)
         wall = round(time.perf_counter() - start, 1)
         if args.log:
