@@ -12,7 +12,7 @@ import torch
 from tests.conftest import DATA_DIR, TINY_MODEL, run_cli, write_yaml
 
 from rlfactory.config.schema import RunConfig
-from rlfactory.rollout.vllm import base_weights, engine_kwargs, runs_of_prompts, sync_mode
+from rlfactory.rollout.vllm import base_weights, engine_kwargs, lora_sync, runs_of_prompts, sync_mode
 
 
 def grpo_vllm(tmp_path: Path, **rollout) -> dict:
@@ -62,7 +62,7 @@ def test_engine_kwargs_follow_the_config(tmp_path: Path):
         | {"evaluation": {"max_new_tokens": 40}, "lora": {"r": 12, "alpha": 24}}
     )
     policy = load_model(cfg.model, cfg.lora, cfg.freeze)
-    assert sync_mode(cfg, policy) == "adapter"
+    assert sync_mode(cfg, policy) == "merged"  # auto: the engine generates without LoRA kernels
     cpu = engine_kwargs(cfg, policy, "adapter", on_cpu=True)
     assert cpu["max_model_len"] == 140 and cpu["dtype"] == "float32" and cpu["enforce_eager"]
     assert cpu["enable_lora"] and cpu["max_lora_rank"] == 16  # rounded up to a rank vLLM's kernels have
@@ -179,3 +179,17 @@ def test_online_runs_default_to_expandable_segments_unless_the_user_or_sleep_mod
     assert online_allocator_setting(sft, {}) is None  # offline stages: not measured there, left as torch has it
     if not torch.cuda.is_available():
         assert apply_online_allocator_setting(awake) is None  # nothing to set without CUDA
+
+
+def test_lora_sync_auto_merges_unless_the_base_is_quantized(tmp_path: Path):
+    def decided(**extra) -> str:
+        cfg = grpo_vllm(tmp_path, **extra.pop("rollout", {}))
+        cfg["model"].update(extra)
+        return lora_sync(RunConfig.model_validate(cfg))
+
+    assert decided() == "merged"
+    assert decided(quantization={"bits": 4}) == "adapter"  # a 4-bit base cannot take the merge
+    assert decided(rollout={"lora_sync": "adapter"}) == "adapter"  # the user's choice stands
+    assert decided(quantization={"bits": 4}, rollout={"lora_sync": "adapter"}) == "adapter"
+    cfg = RunConfig.model_validate(grpo_vllm(tmp_path) | {"lora": {"r": 8, "alpha": 16, "use_dora": True}})
+    assert lora_sync(cfg) == "merged"  # DoRA, which vLLM cannot serve as an adapter, needs no setting now

@@ -98,12 +98,14 @@ class RolloutConfig(Section):
         description="Dynamic sampling: at most this many generation rounds per step.",
     )
     # vLLM backend
-    lora_sync: Literal["adapter", "merged"] = Field(
-        "adapter",
-        description="vllm + LoRA: how the policy reaches the engine after each update. adapter: save only the LoRA "
-        "weights and serve them as a new LoRARequest (about 1% of the bytes); merged: push every adapted weight plus "
-        "its LoRA delta (the engine runs a plain model, no LoRA kernels). Full/freeze fine-tuning always pushes all "
-        "weights.",
+    lora_sync: Literal["auto", "adapter", "merged"] = Field(
+        "auto",
+        description="vllm + LoRA: how the policy reaches the engine after each update. merged: push every adapted "
+        "weight plus its LoRA delta (the engine generates with a plain model, no LoRA kernels); adapter: save only the "
+        "LoRA weights and serve them as a new LoRARequest (about 1% of the bytes, but vLLM's LoRA kernels then run "
+        "on every generated token: generation 16% slower than a merged engine's on a 7B shape, H200); auto: merged, "
+        "or adapter on a quantized base (model.quantization), which cannot take the merge. Full/freeze fine-tuning "
+        "always pushes all weights.",
     )
     gpu_memory_utilization: float = Field(
         0.3,

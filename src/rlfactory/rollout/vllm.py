@@ -79,8 +79,18 @@ def sync_mode(cfg: RunConfig, model: Any) -> str:
     """adapter | merged | full: what ``sync_weights`` pushes."""
     assert cfg.rollout is not None
     if cfg.model.finetuning == "lora" and hasattr(model, "peft_config"):
-        return cfg.rollout.lora_sync
+        return lora_sync(cfg)
     return "full"
+
+
+def lora_sync(cfg: RunConfig) -> str:
+    """``rollout.lora_sync`` with ``auto`` decided: merged, so that the engine generates without LoRA kernels
+    (docs/BENCHMARKS.md: TRL's merged engine generated 16% faster than our adapter-serving one on a 7B shape), except
+    on a quantized base, which a merge would round the update away from (the adapter is served on vLLM's own copy)."""
+    assert cfg.rollout is not None
+    if cfg.rollout.lora_sync != "auto":
+        return cfg.rollout.lora_sync
+    return "adapter" if cfg.model.quantization is not None else "merged"
 
 
 def engine_kwargs(cfg: RunConfig, model: Any, mode: str, on_cpu: bool, rank: int = 0, world: int = 1) -> dict[str, Any]:
