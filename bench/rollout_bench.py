@@ -390,6 +390,25 @@ def case_grpo(args, model_dir: Path) -> dict:
     }
 
 
+NUMBERED_FIELDS = {"mis": "--mismatch-every", "tok": "--micro-tokens", "switch": "--switch-us"}
+
+
+def run_flags(extras: list[str]) -> list[str]:
+    """A ``--grpo-runs`` entry's extra fields -> the case's flags: ``mis8`` -> ``--mismatch-every=8``, ``tok16384`` ->
+    ``--micro-tokens=16384``, ``switch500`` -> ``--switch-us=500``, ``overlap`` -> ``--overlap``."""
+    flags = []
+    for extra in extras:
+        prefix = next((k for k in NUMBERED_FIELDS if re.fullmatch(f"{k}[0-9]+", extra)), None)
+        flags.append(f"{NUMBERED_FIELDS[prefix]}={extra[len(prefix) :]}" if prefix else f"--{extra}")
+    return flags
+
+
+def trl_micro(variant: set[str], completions: int) -> int:
+    """TRL's completions per micro-batch for a ``--trl-runs`` variant: ``microN``'s N, else 16; at most a step's."""
+    micros = [int(f.removeprefix("micro")) for f in variant if re.fullmatch(r"micro[0-9]+", f)]
+    return min(micros[0] if micros else 16, completions)
+
+
 def case_trl(args, model_dir: Path) -> dict:
     """TRL 1.16 GRPOTrainer, run the same way (see the module doc)."""
     import torch
@@ -446,8 +465,7 @@ def case_trl(args, model_dir: Path) -> dict:
     # TRL's switches (--trl-runs fields): nogc = no gradient checkpointing, microN = N completions per forward,
     # nois = vllm_importance_sampling_correction off (no extra no-grad log-prob pass), liger = Liger's GRPO loss
     variant = set(args.trl_variant.split(":")) - {"default", ""}
-    micros = [int(f[5:]) for f in variant if f.startswith("micro")]
-    micro = min(micros[0] if micros else 16, args.grpo_prompts * args.samples)
+    micro = trl_micro(variant, args.grpo_prompts * args.samples)
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(),
         max_steps=args.steps,
@@ -701,9 +719,7 @@ def main() -> None:
     unknown = {e for e in unknown if not re.fullmatch(r"(mis|tok|switch)[1-9][0-9]*", e)}
     if unknown - fields:
         parser.error(f"unknown run field(s) {sorted(unknown - fields)}: use {sorted(fields)}, misN, tokN or switchN")
-    numbered = {"mis": "--mismatch-every", "tok": "--micro-tokens", "switch": "--switch-us"}
-    prefix = lambda e: next((k for k in numbered if re.fullmatch(f"{k}[0-9]+", e)), None)
-    flag = lambda extras: [f"{numbered[prefix(e)]}={e[len(prefix(e)):]}" if prefix(e) else f"--{e}" for e in extras]
+    flag = run_flags
     if "grpo" in cases:
         runs += [
             ["--case", "grpo", "--impl", impl, "--sync", s, "--micro", m, *flag(c)] for s, m, c in pairs(args.grpo_runs)

@@ -62,6 +62,15 @@ class Output:
     outputs: list = field(default_factory=list)
 
 
+def test_run_fields_become_the_cases_flags(bench):
+    assert bench.run_flags(["compile", "mis8", "tok16384", "switch500", "overlap"]) == [
+        "--compile", "--mismatch-every=8", "--micro-tokens=16384", "--switch-us=500", "--overlap"
+    ]  # fmt: skip
+    assert bench.trl_micro({"nogc", "micro4"}, 64) == 4
+    assert bench.trl_micro({"nois"}, 64) == 16  # TRL's micro-batch without the field
+    assert bench.trl_micro({"micro64"}, 32) == 32  # never more than a step's completions
+
+
 def test_variable_lengths_one_draw_per_sample_in_order_for_both_sides(bench):
     """Ours asks for a group as one request of n samples, TRL for n requests of one sample: both become the same
     requests with the same drawn budgets, and ours gets its groups back in order."""
