@@ -103,7 +103,8 @@ class RolloutConfig(Section):
         description="vllm + LoRA: how the policy reaches the engine after each update. merged: push every adapted "
         "weight plus its LoRA delta (the engine generates with a plain model, no LoRA kernels); adapter: save only the "
         "LoRA weights and serve them as a new LoRARequest (about 1% of the bytes, but vLLM's LoRA kernels then run "
-        "on every generated token: generation 16% slower than a merged engine's on a 7B shape, H200); auto: merged, "
+        "on every generated token: on a 7B shape on an H200 a step's generation took 6.99 s against 6.02 s in TRL's "
+        "merged engine); auto: merged, "
         "or adapter on a quantized base (model.quantization), which cannot take the merge. Full/freeze fine-tuning "
         "always pushes all weights.",
     )
