@@ -193,3 +193,10 @@ def test_lora_sync_auto_merges_unless_the_base_is_quantized(tmp_path: Path):
     assert decided(quantization={"bits": 4}, rollout={"lora_sync": "adapter"}) == "adapter"
     cfg = RunConfig.model_validate(grpo_vllm(tmp_path) | {"lora": {"r": 8, "alpha": 16, "use_dora": True}})
     assert lora_sync(cfg) == "merged"  # DoRA, which vLLM cannot serve as an adapter, needs no setting now
+
+
+def test_an_unknown_lora_sync_is_refused_with_the_choices(tmp_path: Path):
+    result = run_cli("config", "check", str(write_yaml(tmp_path / "bad.yaml", grpo_vllm(tmp_path, lora_sync="merge"))))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    message = result.stdout + result.stderr
+    assert "rollout.lora_sync" in message and all(choice in message for choice in ("auto", "adapter", "merged"))
