@@ -162,5 +162,79 @@ def test_grpo_with_overlap_on_the_vllm_engine_on_gpu(tmp_path: Path):
     assert [r["step"] for r in read_log(cfg["output_dir"]) if "val/score" in r] == [0, 2, 4]
 
 
-if __name__ == "__main__":  # one mode of test_sync_then_sampler_matches_trainer_in_bf16, in a fresh process
-    print("RESULT " + json.dumps(_sync_check(sys.argv[1], Path(sys.argv[2]))), flush=True)
+def _overlap_check(tmp: Path) -> dict:
+    """Greedy rounds on the engine (CUDA graphs on) from a thread of its own high-priority stream while the main
+    thread keeps the GPU busy, as ``rollout.overlap`` runs them, against the same round on the main thread."""
+    from rlfactory.engine.online.overlap import Prefetch, Round
+    from rlfactory.model.loader import load_model, load_tokenizer
+    from rlfactory.render.chat import render_prompt
+    from rlfactory.rollout.backends import build_backend
+
+    torch.manual_seed(0)
+    raw = _cfg(tmp, "merged", sleep=False)
+    raw["rollout"]["enforce_eager"] = False
+    cfg = RunConfig.model_validate(raw)
+    tokenizer = load_tokenizer(cfg.model)
+    policy = load_model(cfg.model, cfg.lora, cfg.freeze).cuda()
+    backend = build_backend(cfg, policy, tokenizer)
+    prompts = [render_prompt(tokenizer, [{"role": "user", "content": f"What is {i} + {i + 3}?"}]) for i in range(16)]
+    greedy = SamplingParams(32, temperature=0)
+
+    def tokens() -> list[list[int]]:
+        backend.llm.reset_prefix_cache()  # each round computes its prompts afresh, as the first one did
+        return [c.token_ids for c in backend.generate(prompts, greedy)]
+
+    reference = tokens()
+    streams, rounds = [], []
+
+    def generate(round_: Round) -> Round:
+        before = torch.cuda.current_stream()
+        round_.completions = tokens()
+        streams.append(torch.cuda.current_stream() == before)
+        return round_
+
+    prefetch = Prefetch()
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(3):
+        prefetch.launch(Round([], [], 0, {}), generate)
+        for _ in range(100):  # the "update": long kernels on the main thread's stream while the round decodes
+            busy = torch.tanh(busy @ busy * 1e-3)
+        rounds.append(prefetch.take().completions)
+    after = tokens()
+    return {
+        "same_stream": streams,
+        "rounds_match": [r == reference for r in rounds],
+        "main_after_matches": after == reference,
+        "caches_stream": backend.stream_cache is not None,
+    }
+
+
+def test_an_overlapped_round_on_the_engine_stays_on_its_stream_and_samples_the_same_tokens(tmp_path: Path):
+    """vLLM's v2 model runner caches the stream it first ran on and makes it current again after each step's
+    output copy; ``VLLMBackend.generate`` points that cache at the calling thread's stream. Without it the thread
+    leaves its high-priority stream after one step (checked here directly), and the first step's output copy does
+    not wait for the thread's sampling kernels (greedy rounds beside busy work would read unfinished tokens)."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, __file__, "overlap", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(next(line for line in proc.stdout.splitlines()[::-1] if line.startswith("RESULT "))[7:])
+    print(result)
+    assert result["caches_stream"]  # the vLLM this runs on has the cache the fix is for
+    assert result["same_stream"] == [True, True, True]
+    assert result["rounds_match"] == [True, True, True] and result["main_after_matches"]
+
+
+if __name__ == "__main__":  # one mode of test_sync_then_sampler_matches_trainer_in_bf16 (or the overlap check)
+    tmp_dir = Path(sys.argv[2])
+    check = _overlap_check(tmp_dir) if sys.argv[1] == "overlap" else _sync_check(sys.argv[1], tmp_dir)
+    print("RESULT " + json.dumps(check), flush=True)

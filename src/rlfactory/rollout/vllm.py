@@ -315,6 +315,7 @@ class VLLMBackend:
         self.sleep_level = 1 if self.mode == "adapter" else 2
         self.policy, self.stale = model, False
         self.adapter_root = Path(tempfile.mkdtemp(prefix="rlfactory-lora-", dir=_fast_tmp()))
+        self.stream_cache = None if self.on_cpu else _stream_caching_runner(self.llm)
         log.info("vllm backend: %s sync, engine %s", self.mode, {k: kwargs[k] for k in ("dtype", "max_model_len")})
 
     # ------------------------------------------------------------------ generation
@@ -326,6 +327,8 @@ class VLLMBackend:
         runs = runs_of_prompts(prompts)
         requests = [self.vllm.TokensPrompt(prompt_token_ids=p) for p, _ in runs]
         sampling = [vllm_sampling(self.vllm, params, n, self.stop_ids) for _, n in runs]
+        if self.stream_cache is not None:  # this thread's stream: see _stream_caching_runner
+            self.stream_cache.__dict__["main_stream"] = torch.cuda.current_stream()
         outputs = self.llm.generate(requests, sampling, lora_request=self.lora, use_tqdm=False)
         completions = [to_completion(o) for out in outputs for o in sorted(out.outputs, key=lambda o: o.index)]
         self._sleep()
@@ -415,6 +418,28 @@ class VLLMBackend:
 
     def close(self) -> None:
         shutil.rmtree(self.adapter_root, ignore_errors=True)
+
+
+def _stream_caching_runner(llm: Any) -> Any:
+    """The engine's model runner if it caches the CUDA stream it first ran on (vLLM's v2 runner, ``main_stream``,
+    0.26 to at least 0.32), else None.
+
+    After each step that runner copies the sampled tokens on a side stream that waits for ``main_stream``, then
+    makes ``main_stream`` this thread's current stream again. A round generated on another thread's stream
+    (``rollout.overlap``: a high-priority stream beside the update) then copies its first step's tokens without
+    waiting for the kernels that sample them (an H200 run at the 7B shape hit an illegal memory access), and
+    decodes the rest of the round on the trainer's stream, queued behind the update. ``generate`` points the cache
+    at the calling thread's stream before each round. (vLLM has no option for this; its v1 runner asks torch for
+    the current stream at each step.)
+    """
+    import functools
+
+    try:
+        runner = llm.collective_rpc(lambda worker: worker.model_runner)[0]
+    except Exception:  # an engine in another process (VLLM_ENABLE_V1_MULTIPROCESSING=1): its own thread and stream
+        return None
+    cached = isinstance(getattr(type(runner), "main_stream", None), functools.cached_property)
+    return runner if cached else None
 
 
 def _fast_tmp() -> str | None:

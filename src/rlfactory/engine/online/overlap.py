@@ -21,7 +21,8 @@ One step off-policy, as AReaL's and verl's one-step-off schedules::
   instead of 0.81 s on an H200, so overlap did not pay on one GPU); the GPU's block scheduler starts a high-priority
   stream's blocks first as SMs free up, and CUDA graphs replay at the priority of the stream they are launched on.
   Events order the streams: the round waits for what the main thread enqueued before launching it (the sampler's
-  weight sync), and the main thread's stream waits for the round's kernels once it is taken.
+  weight sync), and the main thread's stream waits for the round's kernels once it is taken. (vLLM's runner caches
+  the stream it first ran on; ``rollout.vllm.VLLMBackend.generate`` points it at this thread's.)
 - a checkpoint taken while a round is pending records the prompt cursor and group id from before that round
   (``rewind``): a resumed run draws the same prompts again, and generates its first step from the checkpoint's
   weights (the weights one step older are not saved).
