@@ -208,6 +208,44 @@ def test_dynamic_sampling_lora_kl_and_mini_batches_on_two_processes(tmp_path: Pa
     assert (out / "adapter_config.json").is_file()
 
 
+def test_overlap_on_two_processes_draws_as_one_process_writes_once_and_resumes_mid_round(tmp_path: Path):
+    """rollout.overlap with several processes: each rank's sampler thread generates its share of the next step while
+    the ranks train (no collective in the thread: scoring and every gather run on the main thread once the round is
+    taken). The steps draw the prompts and groups of one process, each step after the first samples the weights one
+    step older, the log is written once, and a resume from the checkpoint taken while step 3's round was pending
+    trains step 3 on the same prompts, generated from the checkpoint's weights."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    overlap = {"rollout": {"overlap": True}, "evaluation": {"dataset": None}, "logging": {"rollout_trace_steps": 1}}
+    train(grpo_config(one, **overlap), tmp_path, processes=1)
+    train(grpo_config(two, **overlap), tmp_path)
+
+    log, alone = read_log(two), read_log(one)
+    steps = [r for r in log if "score/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert [r["rollout/staleness"] for r in steps] == [0.0, 1.0, 1.0]
+    assert all("timing_s/gen_overlapped" in r for r in steps[1:])
+    lines = [ln for ln in (two / "trainer_log.jsonl").read_text().splitlines() if '"health"' not in ln]
+    assert len(lines) == len(set(lines)) == 3  # written once
+    for mine, theirs in zip(steps, [r for r in alone if "score/mean" in r], strict=True):
+        assert {k: mine[k] for k in SAME_AS_ONE_PROCESS} == {k: theirs[k] for k in SAME_AS_ONE_PROCESS}
+        assert mine.keys() == theirs.keys()
+    drawn = lambda rows: [(r["group"], r["prompt"]) for r in rows]
+    for index, name in enumerate(("step_00001", "step_00002", "step_00003")):
+        rows = trace(two, name)
+        assert drawn(rows) == drawn(trace(one, name)) and len(rows) == 8  # both ranks' shares, in one order
+        assert {r["policy_version"] for r in rows} == {max(index - 1, 0)}
+
+    state = json.loads((two / "checkpoint-2" / "trainer_state.json").read_text())
+    assert (state["cursor"], state["group"]) == (8, 8)  # the steps trained, not the round drawn for step 3
+    uninterrupted = trace(two, "step_00003")
+    result = train(grpo_config(two, **overlap), tmp_path, "resume_from_checkpoint=auto")
+    assert "resumed from" in result.stdout + result.stderr
+    resumed = trace(two, "step_00003")
+    assert drawn(resumed) == drawn(uninterrupted)
+    assert {r["policy_version"] for r in resumed} == {2}  # generated from checkpoint-2's weights
+    assert [r["step"] for r in read_log(two) if "score/mean" in r] == [1, 2, 3]
+
+
 def untied_copy(folder: Path) -> Path:
     """The bundled model with its LM head untied from the embeddings (as in larger models, e.g. 7B Qwen2.5)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
