@@ -44,6 +44,7 @@ def _cfg(mode: str, tmp: Path | None = None) -> dict:
             "num_samples": 2,
             "max_prompt_len": 128,
             "max_response_len": 24,
+            "engine_args": {"max_num_seqs": 32},  # passed through to vllm.LLM (checked below)
         },
         "reward": {"functions": {"answer_match": 1.0, "format_regex": 0.5}},
         "evaluation": {"max_new_tokens": 24},
@@ -120,6 +121,19 @@ def _train_towards(policy, prompt: list[int], target: list[int], steps: int = 8,
         optimizer.step()
         optimizer.zero_grad()
     policy.eval()
+
+
+def test_engine_args_reach_the_engine_and_unknown_names_are_refused(engine):
+    from rlfactory.errors import UserError
+    from rlfactory.rollout.vllm import check_engine_args
+
+    _, _, _, backend, _ = engine
+    assert backend.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs == 32  # vLLM's default is larger
+    with pytest.raises(
+        UserError, match="rollout.engine_args.max_num_seq is not an argument .*did you mean max_num_seqs"
+    ):
+        check_engine_args(backend.vllm, ["max_num_seq"])
+    check_engine_args(backend.vllm, ["max_num_seqs", "kv_cache_dtype"])
 
 
 def test_updates_change_what_vllm_generates(engine):

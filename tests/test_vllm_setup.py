@@ -200,3 +200,26 @@ def test_an_unknown_lora_sync_is_refused_with_the_choices(tmp_path: Path):
     assert result.returncode == 2 and "Traceback" not in result.stderr
     message = result.stdout + result.stderr
     assert "rollout.lora_sync" in message and all(choice in message for choice in ("auto", "adapter", "merged"))
+
+
+def test_engine_args_pass_through_and_derived_ones_are_refused_with_the_setting(tmp_path: Path):
+    from rlfactory.model.loader import load_model
+
+    cfg = RunConfig.model_validate(grpo_vllm(tmp_path, engine_args={"max_num_seqs": 7, "kv_cache_dtype": "fp8"}))
+    policy = load_model(cfg.model, cfg.lora, cfg.freeze)
+    kwargs = engine_kwargs(cfg, policy, "merged", on_cpu=True)
+    assert kwargs["max_num_seqs"] == 7 and kwargs["kv_cache_dtype"] == "fp8"
+    assert kwargs["logprobs_mode"] == "processed_logprobs"  # rlfactory's own arguments stay
+
+    derived = grpo_vllm(tmp_path, engine_args={"gpu_memory_utilization": 0.9})
+    result = run_cli("config", "check", str(write_yaml(tmp_path / "derived.yaml", derived)))
+    message = result.stdout + result.stderr
+    assert result.returncode == 2 and "Traceback" not in message
+    assert "rollout.engine_args: gpu_memory_utilization: rlfactory sets" in message
+    assert "from rollout.gpu_memory_utilization" in message
+
+    on_hf = grpo_vllm(tmp_path, backend="hf", engine_args={"max_num_seqs": 7})
+    result = run_cli("config", "check", str(write_yaml(tmp_path / "hf.yaml", on_hf)))
+    message = result.stdout + result.stderr
+    assert result.returncode == 2 and "Traceback" not in message
+    assert "rollout.engine_args (max_num_seqs)" in message and "rollout.backend: vllm" in message

@@ -8,9 +8,30 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlfactory.config.base import Section, _as_list
+
+# vllm.LLM arguments that rlfactory derives from other settings (rollout/vllm.py engine_kwargs): the setting to use
+DERIVED_ENGINE_ARGS = {
+    "model": "model.name_or_path",
+    "tokenizer": "model.name_or_path (token ids go in and out; the engine needs no tokenizer)",
+    "dtype": "train.mixed_precision (the engine generates in the trained weights' dtype, bf16 under bf16 autocast)",
+    "seed": "seed (each process's engine: seed + rank)",
+    "max_model_len": "rollout.max_prompt_len + rollout.max_response_len (or evaluation.max_new_tokens)",
+    "enforce_eager": "rollout.enforce_eager",
+    "gpu_memory_utilization": "rollout.gpu_memory_utilization",
+    "tensor_parallel_size": "rollout.tensor_parallel_size",
+    "enable_sleep_mode": "rollout.enable_sleep_mode",
+    "enable_lora": "rollout.lora_sync (adapter sync serves the LoRA)",
+    "max_lora_rank": "lora.r (adapter sync)",
+    "max_loras": "rollout.lora_sync (one adapter, the current policy's)",
+    "trust_remote_code": "model.trust_remote_code",
+    "skip_tokenizer_init": "nothing: rlfactory passes token ids, never text",
+    "generation_config": "nothing: sampling follows rollout.temperature / top_p / top_k / min_p, not the checkpoint",
+    "logprobs_mode": "nothing: importance sampling needs the log-probs of the distribution sampled from",
+    "distributed_executor_backend": "the launch: several processes get one engine each (external_launcher)",
+}
 
 
 class RolloutConfig(Section):
@@ -137,6 +158,35 @@ class RolloutConfig(Section):
     is_threshold: float = Field(
         2.0, gt=1.0, description="vllm or overlap: cap (truncate) or cut-off (mask) of the IS weight."
     )
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="vllm: more keyword arguments of vllm.LLM (vLLM's engine arguments), passed as given, e.g. "
+        "{max_num_seqs: 256, kv_cache_dtype: fp8} or {quantization: fp8} (the engine then samples from a rounded "
+        "policy: rollout/logprob_diff_* measures it, is_correction corrects it, and each sync re-quantizes the "
+        "pushed weights). Arguments that rlfactory derives from other settings are refused with the setting to use; "
+        "an unknown name is refused when the engine starts, with vLLM's nearest names.",
+    )
+
+    @field_validator("engine_args")
+    @classmethod
+    def _no_derived_engine_args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for key in value:
+            if key in DERIVED_ENGINE_ARGS:
+                raise ValueError(
+                    f"{key}: rlfactory sets this engine argument itself, from "
+                    f"{DERIVED_ENGINE_ARGS[key]}; remove it from engine_args"
+                )
+        return value
+
+    @model_validator(mode="after")
+    def _engine_args_need_vllm(self) -> RolloutConfig:
+        if self.engine_args and self.backend != "vllm":
+            raise ValueError(
+                f"rollout.engine_args ({', '.join(self.engine_args)}) are vLLM engine arguments, but "
+                f"rollout.backend is {self.backend}; set rollout.backend: vllm or remove engine_args"
+            )
+        return self
+
     mismatch_every: int = Field(
         1,
         ge=1,

@@ -122,7 +122,21 @@ def engine_kwargs(cfg: RunConfig, model: Any, mode: str, on_cpu: bool, rank: int
         kwargs.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=1)
     if world > 1:  # one engine per process, on its own device, in the launcher's process group (module doc)
         kwargs.update(distributed_executor_backend="external_launcher", seed=cfg.seed + rank)
-    return kwargs
+    return {**kwargs, **ro.engine_args}  # the schema refuses engine_args that would replace the ones above
+
+
+def check_engine_args(vllm: Any, names: list[str]) -> None:
+    """Refuse ``rollout.engine_args`` names that vLLM's engine does not take (``vllm.EngineArgs``'s fields), with
+    the nearest ones: vLLM itself would stop with a TypeError deep in its start-up."""
+    import dataclasses
+    import difflib
+
+    known = {field.name for field in dataclasses.fields(vllm.EngineArgs)}
+    for name in names:
+        if name not in known:
+            near = difflib.get_close_matches(name, sorted(known), n=3)
+            hint = f"; did you mean {' or '.join(near)}?" if near else " (see vLLM's engine arguments)"
+            raise UserError(f"rollout.engine_args.{name} is not an argument of vLLM {vllm.__version__}'s engine{hint}")
 
 
 def process_place() -> tuple[int, int]:
@@ -289,6 +303,7 @@ class VLLMBackend:
                 "rollout.lora_sync: adapter serves the LoRA on the engine's own copy of model.name_or_path, which "
                 "lacks the merged model.adapter_paths; set rollout.lora_sync: merged"
             )
+        check_engine_args(self.vllm, list(cfg.rollout.engine_args) if cfg.rollout is not None else [])
         kwargs = engine_kwargs(cfg, model, self.mode, self.on_cpu, *process_place())
         self.sleep_mode = kwargs["enable_sleep_mode"]
         if cfg.rollout is not None and cfg.rollout.enable_sleep_mode and not self.sleep_mode:
