@@ -975,6 +975,39 @@ def test_monitor_tick_sends_only_what_changed_and_throttles_the_charts(tmp_path:
     assert {"plot-0", "monitor-progress", "monitor-status", "runs-table"} <= sent(ended)
 
 
+def test_a_tick_for_the_run_shown_before_a_switch_answers_nothing(tmp_path: Path, monkeypatch):
+    """A tick fires with the run its page showed then; when the page was switched to another run before the tick
+    answers (seconds, on a busy machine), drawing the old run would put its charts back after the switch's own
+    answer hid them (seen once in CI): it answers nothing. Another page's ticks are not affected."""
+    gr = pytest.importorskip("gradio", reason="the WebUI needs the webui extra (gradio)")
+    from rlfactory.webui import monitor_tab, workspace
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(workspace, "_CURRENT", [])
+    workspace.configure(str(tmp_path))
+    first, second = tmp_path / "outputs" / "first", tmp_path / "outputs" / "second"
+    for run in (first, second):
+        run.mkdir(parents=True)
+        (run / "config.yaml").write_text("stage: sft\ntrain:\n  max_steps: 2\n")
+    (first / "trainer_log.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0, "elapsed_s": 1, "eta_s": 1}) + "\n")
+    with gr.Blocks():
+        tab = monitor_tab.MonitorTab()
+    outputs, skip = tab.outputs(), repr(gr.skip())
+    page, other = gr.Request(session_hash="page"), gr.Request(session_hash="other")
+
+    def sent(values: list) -> set:
+        return {c.elem_id or "state" for c, v in zip(outputs, values, strict=True) if repr(v) != skip}
+
+    assert "plot-0" in sent(tab.on_switch(str(first), page))  # the page shows the first run: its charts
+    assert "plot-0" in sent(tab.update(str(first), None, page))  # a tick for the run shown draws it
+    switched = tab.on_switch(str(second), page)  # the second run has no log yet: its charts are hidden
+    assert switched[outputs.index(tab.charts[0][0])].visible is False
+    assert sent(tab.update(str(first), None, page)) == set()  # a tick that fired before the switch: nothing
+    assert "monitor-status" in sent(tab.update(str(second), None, page))
+    assert "plot-0" in sent(tab.update(str(first), None, other))  # another page still shows the first run
+    assert "plot-0" in sent(tab.update(str(first), None))  # called without a page (the Start answer's own draw)
+
+
 def test_tool_calls_are_parsed_and_shown():
     from rlfactory.webui import chat
 

@@ -356,3 +356,20 @@ def _rollout_row(record: dict[str, Any]) -> dict[str, Any]:
         if key.startswith("reward/"):
             row[key] = value
     return row
+
+
+# browser session -> the run its Monitor tab was last switched to (``MonitorTab.on_switch``, a Start)
+_SHOWN: dict[str, str | None] = {}
+
+
+def shown_run(request: Any, run: str | None) -> None:
+    """Record that the page of ``request`` now shows ``run``."""
+    if request is not None and request.session_hash:
+        _SHOWN[request.session_hash] = run
+
+
+def is_stale(request: Any, run: str | None) -> bool:
+    """Whether the page of ``request`` was switched to another run than ``run`` (a tick that fired before)."""
+    if request is None or not request.session_hash or request.session_hash not in _SHOWN:
+        return False
+    return _SHOWN[request.session_hash] != run

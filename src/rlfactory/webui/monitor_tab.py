@@ -97,7 +97,7 @@ class MonitorTab:
             *self.health.outputs(),
         ]  # fmt: skip
 
-    def update(self, run: str | None, seen: dict[str, Any] | None) -> list[Any]:
+    def update(self, run: str | None, seen: dict[str, Any] | None, request: gr.Request | None = None) -> list[Any]:
         """What changed on disk since ``seen`` (the parts of ``monitor.fingerprint`` last shown), redrawn; gr.skip()
         for the rest.
 
@@ -105,9 +105,12 @@ class MonitorTab:
         log tail with the console log, the rollouts table with the newest rollouts file, the progress bar and the
         health alerts with trainer_log.jsonl. The charts follow trainer_log.jsonl too, but at most every
         ``CHART_REFRESH_S`` while the run is live: every chart sent is drawn again in the browser, and a CI machine
-        with busy cores fell behind when a tick redrew them all each second (the page stopped answering)."""
+        with busy cores fell behind when a tick redrew them all each second (the page stopped answering).
+
+        A tick of a page (``request``) whose Monitor was switched to another run since the tick fired answers
+        nothing (``is_stale``): drawn after the switch's own answer, it would bring the old run's charts back."""
         outputs = self.outputs()
-        if not run:
+        if not run or monitor.is_stale(request, run):
             return [gr.skip()] * len(outputs)
         try:
             workspace.current().readable(run, "run")
@@ -142,7 +145,14 @@ class MonitorTab:
                 out[self.fingerprint].update(charted=parts["records"], charted_at=time.monotonic())
         if "state" in changed:
             out[self.runs] = _runs_table()  # the run's status changed: so did its row
+        if monitor.is_stale(request, run):  # switched while this tick was drawing (seconds, on busy cores)
+            return [gr.skip()] * len(outputs)
         return [out.get(component, gr.skip()) for component in outputs]
+
+    def on_switch(self, run: str | None, request: gr.Request) -> list[Any]:
+        """The run chosen (dropdown, runs table, Start): drawn whole; the page's ticks for another run go stale."""
+        monitor.shown_run(request, run)
+        return self.update(run, None)
 
     def _charts(self, records: list[dict[str, Any]]) -> dict[Any, Any]:
         charts = monitor.alert_markers(monitor.chart_series(records), rollout_view.alerts(records))
@@ -182,7 +192,7 @@ class MonitorTab:
     def wire(self) -> None:
         outputs = self.outputs()
         self.timer.tick(self.update, [self.run, self.fingerprint], outputs, show_progress="hidden")
-        self.run.change(lambda run: self.update(run, None), self.run, outputs, show_progress="hidden")
+        self.run.change(self.on_switch, self.run, outputs, show_progress="hidden")
         self.stop_btn.click(self.on_stop, self.run, self.stop_message)
         self.refresh_btn.click(self.on_refresh, None, [self.run, self.runs])
         self.runs.select(self.on_select, self.runs, self.run)

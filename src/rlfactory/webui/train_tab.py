@@ -13,6 +13,7 @@ from rlfactory.webui import preview, runner, workspace
 from rlfactory.webui import schema_form as sf
 from rlfactory.webui.model_picker import ModelPicker
 from rlfactory.webui.monitor import pipeline_stages as monitor_pipeline_stages
+from rlfactory.webui.monitor import shown_run
 from rlfactory.webui.plan_panel import PlanPanel
 
 # Shown first, above the sections, in these rows (they still come from the schema): what to train, and on how
@@ -292,9 +293,9 @@ class TrainTab:
             return f'<pre class="rf-error">{exc}</pre>', int(page or 0)
         return body, shown
 
-    def on_start(self, monitor: Any, *values: Any) -> list[Any]:
+    def on_start(self, monitor: Any, *values: Any, request: gr.Request | None = None) -> list[Any]:
         """Launch; the Monitor tab opens on the new run, drawn in this same answer (``monitor.update``): a timer
-        tick would first redraw the run it showed before."""
+        tick would first redraw the run it showed before (and one still drawing it answers nothing since)."""
         try:
             raw = self.raw(values)
             text = sf.raw_to_yaml(raw)
@@ -302,6 +303,7 @@ class TrainTab:
         except UserError as exc:
             return [*self.answer("", "", exc), gr.skip(), gr.skip(), *[gr.skip()] * len(monitor.outputs())]
         message = f"▶ started `rlfactory train {config.output_dir}/{runner.YAML_NAME}`"
+        shown_run(request, config.output_dir)
         shown = monitor.update(config.output_dir, None)
         return [*self.answer(message, text), gr.Tabs(selected="monitor"), config.output_dir, *shown]
 
@@ -338,9 +340,11 @@ class TrainTab:
                 [self.page, *inputs],
                 [self.preview_html, self.page],
             )
-        self.start_btn.click(
-            lambda *v: self.on_start(monitor, *v), inputs, [*self.check_outputs, tabs, monitor.run, *monitor.outputs()]
-        )
+
+        def start(request: gr.Request, *values: Any) -> list[Any]:  # gradio passes a leading gr.Request parameter
+            return self.on_start(monitor, *values, request=request)
+
+        self.start_btn.click(start, inputs, [*self.check_outputs, tabs, monitor.run, *monitor.outputs()])
         self.stop_btn.click(self.on_stop, self.widgets["output_dir"], self.message)
         self.reward_panel.wire(self)
         self.model_picker.wire(self.widgets["model.name_or_path"], self.widgets["model.template"])
