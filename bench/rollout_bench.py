@@ -301,6 +301,8 @@ def _grpo_cfg(args, model_dir: Path, out: Path, backend: str, sync: str, sleep: 
             "mismatch_every": args.mismatch_every,
             # :tokN: micro-batches of at most N prompt + response tokens (and at most the micro-batch's samples)
             "micro_batch_tokens": args.micro_tokens,
+            # :fp8 / :kvfp8: vLLM's own fp8 weights / KV cache for the rollouts (the trainer stays bf16)
+            "engine_args": engine_args(args),
         },
         "reward": {"functions": {"answer_match": 1.0}},
         # data parallel: one colocated engine per GPU, the same prompts per GPU (the step's prompts are split)
@@ -315,6 +317,14 @@ def _grpo_cfg(args, model_dir: Path, out: Path, backend: str, sync: str, sleep: 
         },
         "evaluation": {"dataset": None},
         "logging": {"logging_steps": 1, "progress_bar": False, "plot_loss": False, "rollout_trace_steps": None},
+    }
+
+
+def engine_args(args) -> dict:
+    """``rollout.engine_args`` of a run's ``:fp8`` (fp8 weights, re-quantized at each sync) and ``:kvfp8`` fields."""
+    return {
+        **({"quantization": "fp8"} if getattr(args, "fp8", False) else {}),
+        **({"kv_cache_dtype": "fp8"} if getattr(args, "kvfp8", False) else {}),
     }
 
 
@@ -368,6 +378,7 @@ def case_grpo(args, model_dir: Path) -> dict:
         "mismatch_every": args.mismatch_every,
         "micro_batch_tokens": args.micro_tokens,
         "switch_interval_us": round(sys.getswitchinterval() * 1e6),
+        "engine_args": engine_args(args),
         # what the run's allocator used: the user's setting, else the online stages' default (the product's rule)
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
         or online_allocator_setting(RunConfig.model_validate(cfg), dict(os.environ))
@@ -395,7 +406,8 @@ NUMBERED_FIELDS = {"mis": "--mismatch-every", "tok": "--micro-tokens", "switch":
 
 def run_flags(extras: list[str]) -> list[str]:
     """A ``--grpo-runs`` entry's extra fields -> the case's flags: ``mis8`` -> ``--mismatch-every=8``, ``tok16384`` ->
-    ``--micro-tokens=16384``, ``switch500`` -> ``--switch-us=500``, ``overlap`` -> ``--overlap``."""
+    ``--micro-tokens=16384``, ``switch500`` -> ``--switch-us=500``, ``overlap`` -> ``--overlap``, ``fp8`` ->
+    ``--fp8`` (``kvfp8`` likewise)."""
     flags = []
     for extra in extras:
         prefix = next((k for k in NUMBERED_FIELDS if re.fullmatch(f"{k}[0-9]+", extra)), None)
@@ -601,6 +613,7 @@ def table(results: list[dict]) -> str:
                 name += " +fixed segments" if "expandable_segments:False" in r.get("alloc_conf", "") else ""
                 name += f" +mismatch_every {r['mismatch_every']}" if r.get("mismatch_every", 1) > 1 else ""
                 name += f" +micro_batch_tokens {r['micro_batch_tokens']}" if r.get("micro_batch_tokens") else ""
+                name += "".join(f" +{k} {v}" for k, v in (r.get("engine_args") or {}).items())
                 switch = r.get("switch_interval_us", 5000)
                 name += f" +switch interval {switch} us" if switch != 5000 else ""
                 parts = {k: r[f"timing_s/{k}"] for k in BREAKDOWN if r.get(f"timing_s/{k}") is not None}
@@ -694,6 +707,8 @@ def main() -> None:
     parser.add_argument("--mismatch-every", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--micro-tokens", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--switch-us", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--fp8", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--kvfp8", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:

@@ -4,11 +4,14 @@ own cases on the tiny shape."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from dataclasses import dataclass, field, replace
 
 import pytest
 from tests.conftest import ROOT
+
+from rlfactory.config.online_schema import RolloutConfig
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +69,11 @@ def test_run_fields_become_the_cases_flags(bench):
     assert bench.run_flags(["compile", "mis8", "tok16384", "switch500", "overlap"]) == [
         "--compile", "--mismatch-every=8", "--micro-tokens=16384", "--switch-us=500", "--overlap"
     ]  # fmt: skip
+    assert bench.run_flags(["fp8", "kvfp8"]) == ["--fp8", "--kvfp8"]
+    fp8 = bench.engine_args(argparse.Namespace(fp8=True, kvfp8=False))
+    assert fp8 == {"quantization": "fp8"} and bench.engine_args(argparse.Namespace()) == {}
+    rollout = RolloutConfig(backend="vllm", engine_args=bench.engine_args(argparse.Namespace(fp8=True, kvfp8=True)))
+    assert rollout.engine_args == {"quantization": "fp8", "kv_cache_dtype": "fp8"}  # the schema takes them
     assert bench.trl_micro({"nogc", "micro4"}, 64) == 4
     assert bench.trl_micro({"nois"}, 64) == 16  # TRL's micro-batch without the field
     assert bench.trl_micro({"micro64"}, 32) == 32  # never more than a step's completions
