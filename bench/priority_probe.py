@@ -35,9 +35,25 @@ def chain(steps: int, sync_every: int, stream) -> float:
 
 
 def busy_loop(stop: threading.Event, stream=None) -> int:
+    """Large products until ``stop``; ``stream`` may be a green context (made current in this thread, so the
+    runtime launches into it) or a stream."""
     import torch
 
+    context = stream if hasattr(stream, "make_current") else None
+    if context is not None:
+        context.make_current()  # this thread's current context and stream become the green context's
+        stream = torch.cuda.current_stream()
     stream = stream or torch.cuda.current_stream()
+    try:
+        return _products(stop, stream)
+    finally:
+        if context is not None:
+            context.pop_current()
+
+
+def _products(stop: threading.Event, stream) -> int:
+    import torch
+
     with torch.cuda.stream(stream):
         a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
         done = 0
@@ -49,15 +65,16 @@ def busy_loop(stop: threading.Event, stream=None) -> int:
     return done
 
 
-def green_stream(sms: int):
-    """A stream whose kernels run on ``sms`` SMs only (torch's beta green contexts; None where unavailable)."""
+def green_stream(sms: int, current: bool = False):
+    """A stream whose kernels run on ``sms`` SMs only (torch's beta green contexts; None where unavailable); with
+    ``current`` the context itself, which the loop's thread makes current."""
     import torch
 
     try:
         from torch.cuda.green_contexts import GreenContext
 
         context = GreenContext.create(num_sms=sms, device_id=torch.cuda.current_device())
-        return context.Stream()
+        return context if current else context.Stream()
     except Exception as exc:  # an older torch (no Stream()), a driver without green contexts
         print(f"green context of {sms} SMs: {type(exc).__name__}: {exc}")
         return None
@@ -66,13 +83,25 @@ def green_stream(sms: int):
 def loop_rate(stream, seconds: float = 2.0) -> float:
     """Large products per second of the loop alone on ``stream``."""
     stop, counted = threading.Event(), {}
-    worker = threading.Thread(target=lambda: counted.setdefault("n", busy_loop(stop, stream)))
+    worker = threading.Thread(target=lambda: counted.setdefault("n", _guarded(busy_loop, stop, stream)))
     start = time.perf_counter()
     worker.start()
     time.sleep(seconds)
     stop.set()
     worker.join()
     return counted["n"] / (time.perf_counter() - start)
+
+
+def _guarded(loop, *args) -> float:
+    """The loop's count, or NaN after printing what it raised (a green context the driver refuses)."""
+    try:
+        return loop(*args)
+    except Exception as exc:
+        import traceback
+
+        traceback.print_exc(limit=3)
+        print(f"the loop raised {type(exc).__name__}: {str(exc)[:300]}")
+        return float("nan")
 
 
 def main() -> None:
@@ -82,6 +111,7 @@ def main() -> None:
     parser.add_argument("--chain", type=int, default=3000)
     parser.add_argument("--sync-every", type=int, default=24)
     parser.add_argument("--green-sms", default="", help="comma-separated SM counts for the loop's green context")
+    parser.add_argument("--green-current", action="store_true", help="make the context current in the loop's thread")
     args = parser.parse_args()
     torch.cuda.init()
     normal, high = torch.cuda.Stream(priority=0), torch.cuda.Stream(priority=-100)
@@ -89,13 +119,15 @@ def main() -> None:
     rows = [("alone", chain(args.chain, args.sync_every, normal), loop_rate(None))]
     cases = [("beside the loop, default priority", normal, None), ("beside the loop, highest priority", high, None)]
     for sms in [int(n) for n in args.green_sms.split(",") if n]:
-        loop_stream = green_stream(sms)
+        loop_stream = green_stream(sms, args.green_current)
         if loop_stream is not None:
             print(f"the loop alone on {sms} SMs: {loop_rate(loop_stream):.1f} big products/s")
             cases.append((f"beside the loop on {sms} SMs, highest priority", high, loop_stream))
     for name, stream, loop_stream in cases:
         stop, counted = threading.Event(), {}
-        worker = threading.Thread(target=lambda s=stop, c=counted, ls=loop_stream: c.setdefault("n", busy_loop(s, ls)))
+        worker = threading.Thread(
+            target=lambda s=stop, c=counted, ls=loop_stream: c.setdefault("n", _guarded(busy_loop, s, ls))
+        )
         worker.start()
         time.sleep(0.5)
         start = time.perf_counter()

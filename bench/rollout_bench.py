@@ -401,6 +401,7 @@ def case_grpo(args, model_dir: Path) -> dict:
     }
 
 
+RUN_FIELDS = {"compile", "overlap", "flex", "padded", "fixedseg", "fp8", "kvfp8"}  # each a --flag of a case
 NUMBERED_FIELDS = {"mis": "--mismatch-every", "tok": "--micro-tokens", "switch": "--switch-us"}
 
 
@@ -730,10 +731,11 @@ def main() -> None:
     # "sync:micro" plus optional fields ":compile" (train.torch_compile) and ":overlap" (rollout.overlap)
     pairs = lambda text: [(p.split(":")[0], p.split(":")[1], p.split(":")[2:]) for p in text.split(",") if p]
     unknown = {e for text in (args.grpo_runs, args.sleep_runs) for _, _, extras in pairs(text) for e in extras}
-    fields = {"compile", "overlap", "flex", "padded", "fixedseg"}
     unknown = {e for e in unknown if not re.fullmatch(r"(mis|tok|switch)[1-9][0-9]*", e)}
-    if unknown - fields:
-        parser.error(f"unknown run field(s) {sorted(unknown - fields)}: use {sorted(fields)}, misN, tokN or switchN")
+    if unknown - RUN_FIELDS:
+        parser.error(
+            f"unknown run field(s) {sorted(unknown - RUN_FIELDS)}: use {sorted(RUN_FIELDS)}, misN, tokN or switchN"
+        )
     flag = run_flags
     if "grpo" in cases:
         runs += [
