@@ -39,16 +39,16 @@ def busy_loop(stop: threading.Event, stream=None) -> int:
     runtime launches into it) or a stream."""
     import torch
 
-    context = stream if hasattr(stream, "make_current") else None
+    context = stream if hasattr(stream, "set_context") else None
     if context is not None:
-        context.make_current()  # this thread's current context and stream become the green context's
+        context.set_context()  # this thread's current context and stream become the green context's
         stream = torch.cuda.current_stream()
     stream = stream or torch.cuda.current_stream()
     try:
         return _products(stop, stream)
     finally:
         if context is not None:
-            context.pop_current()
+            context.pop_context()
 
 
 def _products(stop: threading.Event, stream) -> int:
@@ -65,6 +65,9 @@ def _products(stop: threading.Event, stream) -> int:
     return done
 
 
+CONTEXTS: list = []
+
+
 def green_stream(sms: int, current: bool = False):
     """A stream whose kernels run on ``sms`` SMs only (torch's beta green contexts; None where unavailable); with
     ``current`` the context itself, which the loop's thread makes current."""
@@ -74,6 +77,7 @@ def green_stream(sms: int, current: bool = False):
         from torch.cuda.green_contexts import GreenContext
 
         context = GreenContext.create(num_sms=sms, device_id=torch.cuda.current_device())
+        CONTEXTS.append(context)  # a green context's streams die with it
         return context if current else context.Stream()
     except Exception as exc:  # an older torch (no Stream()), a driver without green contexts
         print(f"green context of {sms} SMs: {type(exc).__name__}: {exc}")

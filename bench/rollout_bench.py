@@ -296,6 +296,8 @@ def _grpo_cfg(args, model_dir: Path, out: Path, backend: str, sync: str, sleep: 
             "enforce_eager": args.eager,
             "generation_batch_size": 512,
             "overlap": args.overlap,
+            # :greenN: while an overlapped round generates, the update's kernels on N SMs (a CUDA green context)
+            "overlap_update_sms": args.update_sms,
             "packing": "off" if args.padded else "auto",
             # :misN: the sampled tokens' log-probs (mismatch metrics) on one step in N only
             "mismatch_every": args.mismatch_every,
@@ -378,6 +380,7 @@ def case_grpo(args, model_dir: Path) -> dict:
         "mismatch_every": args.mismatch_every,
         "micro_batch_tokens": args.micro_tokens,
         "switch_interval_us": round(sys.getswitchinterval() * 1e6),
+        "update_sms": args.update_sms,
         "engine_args": engine_args(args),
         # what the run's allocator used: the user's setting, else the online stages' default (the product's rule)
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
@@ -402,12 +405,13 @@ def case_grpo(args, model_dir: Path) -> dict:
 
 
 RUN_FIELDS = {"compile", "overlap", "flex", "padded", "fixedseg", "fp8", "kvfp8"}  # each a --flag of a case
-NUMBERED_FIELDS = {"mis": "--mismatch-every", "tok": "--micro-tokens", "switch": "--switch-us"}
+NUMBERED_FIELDS = {"mis": "--mismatch-every", "tok": "--micro-tokens", "switch": "--switch-us", "green": "--update-sms"}
 
 
 def run_flags(extras: list[str]) -> list[str]:
     """A ``--grpo-runs`` entry's extra fields -> the case's flags: ``mis8`` -> ``--mismatch-every=8``, ``tok16384`` ->
-    ``--micro-tokens=16384``, ``switch500`` -> ``--switch-us=500``, ``overlap`` -> ``--overlap``, ``fp8`` ->
+    ``--micro-tokens=16384``, ``switch500`` -> ``--switch-us=500``, ``green100`` -> ``--update-sms=100``,
+    ``overlap`` -> ``--overlap``, ``fp8`` ->
     ``--fp8`` (``kvfp8`` likewise)."""
     flags = []
     for extra in extras:
@@ -615,6 +619,7 @@ def table(results: list[dict]) -> str:
                 name += f" +mismatch_every {r['mismatch_every']}" if r.get("mismatch_every", 1) > 1 else ""
                 name += f" +micro_batch_tokens {r['micro_batch_tokens']}" if r.get("micro_batch_tokens") else ""
                 name += "".join(f" +{k} {v}" for k, v in (r.get("engine_args") or {}).items())
+                name += f" +update on {r['update_sms']} SMs" if r.get("update_sms") else ""
                 switch = r.get("switch_interval_us", 5000)
                 name += f" +switch interval {switch} us" if switch != 5000 else ""
                 parts = {k: r[f"timing_s/{k}"] for k in BREAKDOWN if r.get(f"timing_s/{k}") is not None}
@@ -648,7 +653,8 @@ def main() -> None:
         ":misN rollout.mismatch_every N, :tokN rollout.micro_batch_tokens N, :switchN Python's thread switch interval "
         "in microseconds (sys.setswitchinterval; 5000 by default), :fixedseg torch's fixed-size segments "
         "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False; the online stages use expandable ones by default "
-        "without sleep mode), :flex flex attention with packed "
+        "without sleep mode), :greenN rollout.overlap_update_sms N, :fp8 / :kvfp8 rollout.engine_args quantization / "
+        "kv_cache_dtype fp8, :flex flex attention with packed "
         "updates (e.g. adapter:64:compile:overlap)",
     )
     parser.add_argument("--sleep-runs", default="adapter:64,merged:64", help="memory: the same, with sleep mode")
@@ -708,6 +714,7 @@ def main() -> None:
     parser.add_argument("--mismatch-every", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--micro-tokens", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--switch-us", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--update-sms", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--fp8", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--kvfp8", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -731,7 +738,7 @@ def main() -> None:
     # "sync:micro" plus optional fields ":compile" (train.torch_compile) and ":overlap" (rollout.overlap)
     pairs = lambda text: [(p.split(":")[0], p.split(":")[1], p.split(":")[2:]) for p in text.split(",") if p]
     unknown = {e for text in (args.grpo_runs, args.sleep_runs) for _, _, extras in pairs(text) for e in extras}
-    unknown = {e for e in unknown if not re.fullmatch(r"(mis|tok|switch)[1-9][0-9]*", e)}
+    unknown = {e for e in unknown if not re.fullmatch(rf"({'|'.join(NUMBERED_FIELDS)})[1-9][0-9]*", e)}
     if unknown - RUN_FIELDS:
         parser.error(
             f"unknown run field(s) {sorted(unknown - RUN_FIELDS)}: use {sorted(RUN_FIELDS)}, misN, tokN or switchN"

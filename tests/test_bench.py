@@ -70,6 +70,7 @@ def test_run_fields_become_the_cases_flags(bench):
         "--compile", "--mismatch-every=8", "--micro-tokens=16384", "--switch-us=500", "--overlap"
     ]  # fmt: skip
     assert bench.run_flags(["fp8", "kvfp8"]) == ["--fp8", "--kvfp8"]
+    assert bench.run_flags(["green100"]) == ["--update-sms=100"]
     assert {"fp8", "kvfp8", "overlap", "compile"} <= bench.RUN_FIELDS  # what --grpo-runs accepts
     fp8 = bench.engine_args(argparse.Namespace(fp8=True, kvfp8=False))
     assert fp8 == {"quantization": "fp8"} and bench.engine_args(argparse.Namespace()) == {}

@@ -192,6 +192,23 @@ def test_overlap_config_rules():
     with pytest.raises(UserError, match="rollout.overlap: true on the vLLM engine runs on one process for now \\(2 "):
         check_world(on_vllm, 2)
     check_world(on_vllm, 1)
+    confined = RunConfig.model_validate(_grpo(overlap=True, overlap_update_sms=100))
+    assert confined.rollout.overlap_update_sms == 100
+    with pytest.raises(ValueError, match="overlap_update_sms confines the update .* but rollout.overlap is false"):
+        RunConfig.model_validate(_grpo(overlap_update_sms=100))
+
+
+def test_confining_the_update_is_a_no_op_without_a_pending_round_or_cuda():
+    """``Prefetch.confined`` switches streams only on CUDA with a round pending (tests/gpu covers the GPU side)."""
+    from rlfactory.engine.online.overlap import Prefetch, Round
+
+    prefetch = Prefetch(update_sms=8)
+    with prefetch.confined():  # nothing pending
+        pass
+    prefetch.launch(Round([{"x": 1}], [0], 0, {}), lambda r: r)
+    with prefetch.confined():  # pending, but no CUDA here: the same thread, no green context made
+        assert prefetch.green is None
+    assert prefetch.take().examples == [{"x": 1}]
 
 
 # --------------------------------------------------------------------------- learning, on against off

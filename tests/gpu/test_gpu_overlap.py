@@ -42,3 +42,33 @@ def test_the_round_runs_on_a_high_priority_stream_ordered_with_the_main_thread()
     assert seen["priority"] < torch.cuda.default_stream().priority and not seen["default"]  # lower: sooner
     assert seen["weights"] == weights.numel()
     assert total == 2.0 * out.numel()
+
+
+def test_a_confined_update_runs_on_a_green_stream_ordered_with_the_main_thread():
+    """``rollout.overlap_update_sms``: while a round is pending, the main thread's kernels go to a green context's
+    stream, which waits for what the main stream had queued, and the main stream waits for it after."""
+    torch.cuda.set_device(0)
+    prefetch = Prefetch(update_sms=16)
+    started = []
+
+    def generate(round_: Round) -> Round:
+        started.append(1)
+        _busy(times=10)
+        return round_
+
+    params = torch.zeros(1 << 20, device="cuda")
+    _busy()
+    params.fill_(1.0)  # queued behind long work on the main stream: the confined update must see it
+    prefetch.launch(Round([], [], 0, {}), generate)
+    main = torch.cuda.current_stream()
+    with prefetch.confined():
+        inside = torch.cuda.current_stream()
+        seen = params.sum()
+        _busy(times=10)
+        params.mul_(3.0)  # after long work on the green stream: the main stream must wait for it
+    total = params.sum().item()
+    assert prefetch.take() is not None and started
+    assert inside != main and torch.cuda.current_stream() == main
+    assert seen.item() == params.numel() and total == 3.0 * params.numel()
+    with prefetch.confined():  # no round pending: the main stream itself
+        assert torch.cuda.current_stream() == main

@@ -99,6 +99,14 @@ class RolloutConfig(Section):
         "the adapter only); vllm: no copy, but the engine's KV cache stays allocated through the update (no sleep "
         "mode). hf: several processes too (each rank generates its share); vllm: one process for now.",
     )
+    overlap_update_sms: int | None = Field(
+        None,
+        ge=1,
+        description="overlap on CUDA: confine the trainer's kernels to this many of the GPU's SMs while an "
+        "overlapped round generates (a CUDA green context: torch >= 2.9 and a driver that supports them), so the "
+        "round's decoding keeps the other SMs to itself instead of taking turns with the update's large kernels; "
+        "the update itself then runs on fewer SMs. null: the update uses every SM. Ignored without CUDA.",
+    )
     generation_batch_size: int = Field(
         64, ge=1, description="Sequences generated at once per device (memory-bound; also used for validation)."
     )
@@ -177,6 +185,15 @@ class RolloutConfig(Section):
                     f"{DERIVED_ENGINE_ARGS[key]}; remove it from engine_args"
                 )
         return value
+
+    @model_validator(mode="after")
+    def _update_sms_need_overlap(self) -> RolloutConfig:
+        if self.overlap_update_sms is not None and not self.overlap:
+            raise ValueError(
+                "rollout.overlap_update_sms confines the update while an overlapped round generates, but "
+                "rollout.overlap is false; set rollout.overlap: true or remove overlap_update_sms"
+            )
+        return self
 
     @model_validator(mode="after")
     def _engine_args_need_vllm(self) -> RolloutConfig:

@@ -209,7 +209,7 @@ def build_run(
         total_steps=total,
         health=health.HealthMonitor(cfg.health, Path(cfg.output_dir), accelerator.is_main_process),
         sampler=sampler,
-        prefetch=Prefetch() if sampler is not None else None,
+        prefetch=Prefetch(ro.overlap_update_sms) if sampler is not None else None,
         kernels=head_kernels(cfg.model, cfg.train),
     )
 

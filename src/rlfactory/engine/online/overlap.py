@@ -23,6 +23,10 @@ One step off-policy, as AReaL's and verl's one-step-off schedules::
   Events order the streams: the round waits for what the main thread enqueued before launching it (the sampler's
   weight sync), and the main thread's stream waits for the round's kernels once it is taken. (vLLM's runner caches
   the stream it first ran on; ``rollout.vllm.VLLMBackend.generate`` points it at this thread's.)
+- the priority alone does not keep decoding fast beside the update (on an H200 a round beside a 7B update took
+  about as long as the two one after the other): a running block is not preempted, and the update's large kernels
+  fill every SM. ``rollout.overlap_update_sms`` confines the main thread's kernels to that many SMs while a round
+  is pending (``Prefetch.confined``: a stream of a CUDA green context), leaving the rest to the round.
 - a checkpoint taken while a round is pending records the prompt cursor and group id from before that round
   (``rewind``): a resumed run draws the same prompts again, and generates its first step from the checkpoint's
   weights (the weights one step older are not saved).
@@ -32,8 +36,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,10 +71,36 @@ class Prefetch:
     """At most one round generating in a daemon thread (a hung environment step must not keep the process alive at
     exit, which an executor's joined worker would); ``take`` waits for it and re-raises what it raised."""
 
-    def __init__(self) -> None:
+    def __init__(self, update_sms: int | None = None) -> None:
         self.pending: tuple[Round, Future] | None = None
         self.stream: Any = None  # CUDA: the thread's high-priority stream, made at the first launch
         self.done: Any = None  # CUDA: an event after the pending round's kernels
+        self.update_sms = update_sms  # rollout.overlap_update_sms
+        self.green: Any = None  # CUDA: the green context of update_sms SMs (its streams die with it: kept here)
+        self.green_stream: Any = None
+
+    @contextmanager
+    def confined(self) -> Iterator[None]:
+        """While a round is pending, this thread's CUDA kernels run on ``update_sms`` SMs only (a stream of a
+        green context); a no-op without ``update_sms``, a pending round or CUDA. The green stream waits for what
+        this thread enqueued before, and this thread's stream for the green one after, so tensors cross the
+        boundary in order (and a block the allocator hands out again on the green stream was last used before)."""
+        device = _current_cuda_device() if self.update_sms is not None and self.pending is not None else None
+        if device is None:
+            yield
+            return
+        import torch
+
+        if self.green is None:
+            self.green = _green_context(self.update_sms, device)
+            self.green_stream = self.green.Stream()
+        outer = torch.cuda.current_stream()
+        self.green_stream.wait_stream(outer)
+        try:
+            with torch.cuda.stream(self.green_stream):
+                yield
+        finally:
+            outer.wait_stream(self.green_stream)
 
     def launch(self, round_: Round, generate: Callable[[Round], Round]) -> None:
         assert self.pending is None, "one round in flight at a time"
@@ -138,6 +169,26 @@ class Prefetch:
         """Let a pending round finish (its result is dropped): before the sampler is closed at the end of a run."""
         self.finish()
         self.pending = None
+
+
+def _green_context(sms: int, device: int) -> Any:
+    """A CUDA green context of ``sms`` SMs on ``device``, or a clear error where torch or the driver has none."""
+    import torch
+
+    available = torch.cuda.get_device_properties(device).multi_processor_count
+    if sms > available:
+        raise ValueError(
+            f"rollout.overlap_update_sms is {sms}, but GPU {device} has {available} SMs; set it below {available}"
+        )
+    try:
+        from torch.cuda.green_contexts import GreenContext
+
+        return GreenContext.create(num_sms=sms, device_id=device)
+    except Exception as exc:  # torch < 2.9 (no module), a build or driver without green contexts
+        raise RuntimeError(
+            f"rollout.overlap_update_sms needs CUDA green contexts, which this torch/driver does not give "
+            f"({type(exc).__name__}: {exc}); remove overlap_update_sms"
+        ) from exc
 
 
 def _current_cuda_device() -> int | None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import random
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -496,9 +496,10 @@ def step(run: Run, index: int) -> StepResult:
         samples, generated, failures = collect(run, index)
         if run.prefetch is not None and index + 1 < run.total_steps:
             prefetch_next(run, index)
-        batch = to_batch(run, samples)
-        metrics, advantages = score_batch(run, batch)
-        update_metrics, trainer_logprobs = update_models(run, batch, index)
+        with run.prefetch.confined() if run.prefetch is not None else nullcontext():  # overlap_update_sms
+            batch = to_batch(run, samples)
+            metrics, advantages = score_batch(run, batch)
+            update_metrics, trainer_logprobs = update_models(run, batch, index)
         metrics.update(update_metrics)
     kept = informative_samples(samples, ro.num_samples) if ro.dynamic_sampling else len(samples)
     metrics.update(batch_metrics(samples, generated, failures, kept))
