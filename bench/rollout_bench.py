@@ -322,6 +322,18 @@ def _grpo_cfg(args, model_dir: Path, out: Path, backend: str, sync: str, sleep: 
     }
 
 
+def torch_peaks() -> dict:
+    """This process's torch allocator peaks in GB (every stream's pool), beside the device-wide peak."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    return {
+        "torch_reserved_gb": round(torch.cuda.max_memory_reserved() / 2**30, 2),
+        "torch_allocated_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+    }
+
+
 def engine_args(args) -> dict:
     """``rollout.engine_args`` of a run's ``:fp8`` (fp8 weights, re-quantized at each sync) and ``:kvfp8`` fields."""
     return {
@@ -358,13 +370,15 @@ def case_grpo(args, model_dir: Path) -> dict:
     with PeakMemory() as memory:
         code = main(["train", str(out / "run.yaml")])
     records = [r for r in read_log(out / "run") if "score/mean" in r]
-    steps = records[args.warmup :]
+    steps, intervals = records[args.warmup :], clock.intervals[args.warmup :]
+    if args.overlap and len(steps) > 1:  # the last step launches no next round: a step without generation
+        steps, intervals = steps[:-1], intervals[:-1]
     median = lambda key: _median([r[key] for r in steps if key in r])
     keys = sorted({k for r in steps for k in r if k.startswith(("timing_s/", "rollout/logprob", "rollout/prob"))})
     # on several GPUs the CLI starts its own processes (the step clock above does not reach them): the log's own
     # step time, which the scaling table uses for every GPU count alike
     log_step_s = median("timing_s/step")
-    step_s = _median(clock.intervals[args.warmup :]) if args.gpus == 1 else log_step_s
+    step_s = _median(intervals) if args.gpus == 1 else log_step_s
     generated = median("rollout/generated_samples") or 0
     length = median("response_length/mean") or 0
     return {
@@ -395,6 +409,8 @@ def case_grpo(args, model_dir: Path) -> dict:
         "gen_tokens_per_s": round(generated * length / step_s, 1) if step_s else None,
         "response_length": length,
         "peak_device_gb": round(memory.peak / 2**30, 2),
+        # torch's own peaks (this process's allocator pools, every stream's): against the device's, vLLM's share
+        **torch_peaks(),
         "intervals_s": [round(x, 4) for x in clock.intervals],
         **{k: median(k) for k in keys},
         "logprob_diff_mean_per_step": [r.get("rollout/logprob_diff_mean") for r in records],
