@@ -105,7 +105,9 @@ class RolloutConfig(Section):
         description="overlap on CUDA: confine the trainer's kernels to this many of the GPU's SMs while an "
         "overlapped round generates (a CUDA green context: torch >= 2.9 and a driver that supports them), so the "
         "round's decoding keeps the other SMs to itself instead of taking turns with the update's large kernels; "
-        "the update itself then runs on fewer SMs. null: the update uses every SM. Ignored without CUDA.",
+        "the update itself then runs on fewer SMs. Measured on an H200 (7B LoRA GRPO, 66 of 132 SMs): no faster "
+        "(the update 6.1 s instead of 3.3 s, the round beside it 7.8 s either way) and 29 GB more memory reserved "
+        "(a second pool of torch's caching allocator): experimental. null: every SM. Ignored without CUDA.",
     )
     generation_batch_size: int = Field(
         64, ge=1, description="Sequences generated at once per device (memory-bound; also used for validation)."
