@@ -197,6 +197,28 @@ def test_grpo_run_with_vllm(tmp_path: Path, mode: str, correction: str):
     print(mode, [(r["rollout/logprob_diff_mean"], r["rollout/logprob_diff_max"]) for r in steps])
     assert [r["step"] for r in read_log(out) if "val/score" in r] == [0, 3]
     assert (out / "adapter_config.json").is_file()
+    assert "Traceback" not in result.stderr  # vLLM's exit handler once tore its groups down after ours
+
+
+def test_grpo_on_two_processes_with_an_engine_each(tmp_path: Path):
+    """torchrun, two gloo processes, one vLLM engine per process (external_launcher): every step generates the whole
+    step's samples between them, each engine takes its own process's weights (the mismatch, reduced over both, is
+    float32's), one log and one model are written, and the run ends without a traceback."""
+    cfg = _cfg("merged", tmp_path)
+    cfg["train"] = {"max_steps": 3, "per_device_batch_size": 8, "learning_rate": 1e-2}
+    cfg["evaluation"] = {"dataset": "arith_prompts_test", "max_samples": 8, "max_new_tokens": 24}
+    cfg["distributed"] = {"num_processes": 2}
+    result = run_cli("train", str(write_yaml(tmp_path / "run.yaml", cfg)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "Invalid process group" not in result.stderr
+    out = Path(cfg["output_dir"])
+    steps = [r for r in read_log(out) if "score/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]  # one writer: each step logged once
+    for record in steps:
+        assert record["rollout/generated_samples"] == 4 * 2  # both processes' shares, counted once
+        assert record["rollout/logprob_diff_mean"] < MEAN_DIFF and record["rollout/prob_pearson"] > 0.999
+    assert [r["step"] for r in read_log(out) if "val/score" in r] == [0, 3]
+    assert (out / "adapter_config.json").is_file() and not list(out.glob("rank*"))
 
 
 def test_mismatch_every_asks_vllm_for_log_probs_on_those_steps_only(tmp_path: Path):

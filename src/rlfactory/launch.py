@@ -15,7 +15,7 @@ so bad input gives one message and exit code 2.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rlfactory.errors import UserError
 
@@ -98,7 +98,9 @@ def close_process_group(finished: bool = True) -> None:
             torch.distributed.barrier()
         elif not gloo:
             return
-        torch.distributed.destroy_process_group()
+        _close_vllm_groups(sys.modules.get("vllm.distributed.parallel_state"))
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
         if gloo:
             # DDP keeps the group's C++ object alive past destroy_process_group (torch 2.13: about ten references
             # remain once a DDP model existed), so its worker threads are never joined; one that drops a finished
@@ -108,6 +110,18 @@ def close_process_group(finished: bool = True) -> None:
             import time
 
             time.sleep(0.2)
+
+
+def _close_vllm_groups(parallel_state: Any) -> None:
+    """A colocated vLLM engine's process groups (vLLM's ``parallel_state``, when the run imported it), before the
+    default group they were made from. Left to vLLM, its engine's exit handler destroys them after ours is gone
+    and every vLLM run ended with "ValueError: Invalid process group specified" and a traceback (vLLM 0.32, one
+    process and two); vLLM's own teardown then finds nothing left to do. Its environment teardown also destroys
+    the default group."""
+    if parallel_state is None:
+        return
+    parallel_state.destroy_model_parallel()
+    parallel_state.destroy_distributed_environment()
 
 
 def maybe_launch(config: RunConfig | PipelineConfig, train_args: list[str]) -> int | None:
