@@ -180,7 +180,6 @@ def test_a_checkpoint_taken_while_a_round_is_pending_resumes_with_the_same_promp
 # --------------------------------------------------------------------------- config rules
 def test_overlap_config_rules():
     from rlfactory.engine.online.loop import check_world
-    from rlfactory.errors import UserError
 
     cfg = RunConfig.model_validate(_grpo(overlap=True, is_correction="token_truncate"))  # a separate sampler: IS ok
     assert cfg.rollout.overlap and cfg.rollout.is_correction == "token_truncate"
@@ -189,9 +188,7 @@ def test_overlap_config_rules():
     with pytest.raises(ValueError, match="rollout.overlap: true keeps the vLLM engine generating through the update"):
         RunConfig.model_validate(_grpo(overlap=True, backend="vllm", enable_sleep_mode=True))
     check_world(cfg, 2)  # hf: several processes (tests/test_distributed_rl.py runs it on two)
-    with pytest.raises(UserError, match="rollout.overlap: true on the vLLM engine runs on one process for now \\(2 "):
-        check_world(on_vllm, 2)
-    check_world(on_vllm, 1)
+    check_world(on_vllm, 2)  # vllm: an engine per process (tests/test_vllm_backend.py runs it on two)
     confined = RunConfig.model_validate(_grpo(overlap=True, overlap_update_sms=100))
     assert confined.rollout.overlap_update_sms == 100
     with pytest.raises(ValueError, match="overlap_update_sms confines the update .* but rollout.overlap is false"):

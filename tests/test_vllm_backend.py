@@ -200,14 +200,19 @@ def test_grpo_run_with_vllm(tmp_path: Path, mode: str, correction: str):
     assert "Traceback" not in result.stderr  # vLLM's exit handler once tore its groups down after ours
 
 
-def test_grpo_on_two_processes_with_an_engine_each(tmp_path: Path):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_grpo_on_two_processes_with_an_engine_each(tmp_path: Path, overlap: bool):
     """torchrun, two gloo processes, one vLLM engine per process (external_launcher): every step generates the whole
     step's samples between them, each engine takes its own process's weights (the mismatch, reduced over both, is
-    float32's), one log and one model are written, and the run ends without a traceback."""
+    float32's), one log and one model are written, and the run ends without a traceback. With rollout.overlap each
+    engine generates its share of the next step in a thread while the processes train (no collective in the
+    thread): the steps after the first train on samples of the weights one step older."""
     cfg = _cfg("merged", tmp_path)
     cfg["train"] = {"max_steps": 3, "per_device_batch_size": 8, "learning_rate": 1e-2}
     cfg["evaluation"] = {"dataset": "arith_prompts_test", "max_samples": 8, "max_new_tokens": 24}
     cfg["distributed"] = {"num_processes": 2}
+    cfg["rollout"]["overlap"] = overlap
+    cfg["logging"]["rollout_trace_steps"] = 1
     result = run_cli("train", str(write_yaml(tmp_path / "run.yaml", cfg)))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr and "Invalid process group" not in result.stderr
@@ -216,7 +221,14 @@ def test_grpo_on_two_processes_with_an_engine_each(tmp_path: Path):
     assert [r["step"] for r in steps] == [1, 2, 3]  # one writer: each step logged once
     for record in steps:
         assert record["rollout/generated_samples"] == 4 * 2  # both processes' shares, counted once
-        assert record["rollout/logprob_diff_mean"] < MEAN_DIFF and record["rollout/prob_pearson"] > 0.999
+    assert [r["rollout/staleness"] for r in steps] == ([0.0, 1.0, 1.0] if overlap else [0.0, 0.0, 0.0])
+    on_policy = steps[:1] if overlap else steps  # overlap: later steps' mismatch is one update's move
+    assert all(r["rollout/logprob_diff_mean"] < MEAN_DIFF and r["rollout/prob_pearson"] > 0.999 for r in on_policy)
+    assert all(r["rollout/logprob_diff_mean"] > 10 * MEAN_DIFF for r in steps[1:]) == overlap
+    for index in range(3):
+        trace = (out / "rollouts" / f"step_{index + 1:05d}.jsonl").read_text()
+        rows = [json.loads(line) for line in trace.splitlines()]
+        assert len(rows) == 8 and {r["policy_version"] for r in rows} == {max(index - 1, 0) if overlap else index}
     assert [r["step"] for r in read_log(out) if "val/score" in r] == [0, 3]
     assert (out / "adapter_config.json").is_file() and not list(out.glob("rank*"))
 

@@ -97,7 +97,7 @@ class RolloutConfig(Section):
         "rollout/logprob_diff_* and rollout/ratio_over_cap measure how far the policy moved, and is_correction "
         "corrects for it (token_truncate is a sound start). hf: the copy costs the trained weights once more (LoRA: "
         "the adapter only); vllm: no copy, but the engine's KV cache stays allocated through the update (no sleep "
-        "mode). hf: several processes too (each rank generates its share); vllm: one process for now.",
+        "mode). Several processes too: each rank generates its share on its own copy or engine (tested on CPU).",
     )
     overlap_update_sms: int | None = Field(
         None,

@@ -117,12 +117,6 @@ def check_world(cfg: RunConfig, world: int) -> None:
             "each process runs its own vLLM engine on its own GPU (tensor_parallel_size: 1); for a model that "
             "needs several GPUs to generate, run one process with tensor_parallel_size > 1"
         )
-    if world > 1 and ro.overlap and ro.backend == "vllm":
-        raise UserError(
-            f"rollout.overlap: true on the vLLM engine runs on one process for now ({world} here): each process's "
-            "engine generating beside the data-parallel update is not tested on several GPUs yet; set "
-            "rollout.overlap: false, rollout.backend: hf, or run one process"
-        )
     if world > 1 and cfg.train.deepspeed:
         raise UserError(
             f"train.deepspeed: stage {cfg.stage} runs on several processes with DDP only; remove train.deepspeed"
