@@ -136,6 +136,16 @@ def test_engine_args_reach_the_engine_and_unknown_names_are_refused(engine):
     check_engine_args(backend.vllm, ["max_num_seqs", "kv_cache_dtype"])
 
 
+def test_an_engine_argument_vllm_refuses_is_one_clear_error(tmp_path: Path):
+    """A known engine argument with a value vLLM refuses at start-up: exit 2, the message names engine_args."""
+    cfg = _cfg("merged", tmp_path)
+    cfg["rollout"]["engine_args"] = {"kv_cache_dtype": "fp9"}
+    result = run_cli("train", str(write_yaml(tmp_path / "run.yaml", cfg)))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "vLLM could not start an engine" in result.stderr
+    assert "the rollout.engine_args you set (kv_cache_dtype)" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_updates_change_what_vllm_generates(engine):
     from rlfactory.rollout.hf import generate_ids
 

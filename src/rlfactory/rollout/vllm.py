@@ -308,13 +308,15 @@ class VLLMBackend:
         self.sleep_mode = kwargs["enable_sleep_mode"]
         if cfg.rollout is not None and cfg.rollout.enable_sleep_mode and not self.sleep_mode:
             log.info("rollout.enable_sleep_mode: not available on this platform (CPU); the engine stays awake")
+        passed = cfg.rollout.engine_args if cfg.rollout is not None else {}
         try:
             self.llm = self.vllm.LLM(**kwargs)
         except Exception as exc:
+            given = f", the rollout.engine_args you set ({', '.join(passed)})" if passed else ""
             raise UserError(
                 f"vLLM could not start an engine for '{kwargs['model']}': {type(exc).__name__}: "
                 f"{str(exc).splitlines()[0] if str(exc) else ''}; check rollout.gpu_memory_utilization / "
-                "tensor_parallel_size, or set rollout.backend: hf"
+                f"tensor_parallel_size{given}, or set rollout.backend: hf"
             ) from exc
         self.stop_ids = stop_ids(tokenizer)
         self.copy_in_place = (
