@@ -144,6 +144,7 @@ def test_an_engine_argument_vllm_refuses_is_one_clear_error(tmp_path: Path):
     assert result.returncode == 2, result.stderr[-3000:]
     assert "vLLM could not start an engine" in result.stderr
     assert "the rollout.engine_args you set (kv_cache_dtype)" in result.stderr and "Traceback" not in result.stderr
+    assert "Input should be 'auto'" in result.stderr  # vLLM's own words on the values it takes
 
 
 def test_updates_change_what_vllm_generates(engine):

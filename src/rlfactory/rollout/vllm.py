@@ -315,7 +315,7 @@ class VLLMBackend:
             given = f", the rollout.engine_args you set ({', '.join(passed)})" if passed else ""
             raise UserError(
                 f"vLLM could not start an engine for '{kwargs['model']}': {type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else ''}; check rollout.gpu_memory_utilization / "
+                f"{_gist(str(exc))}; check rollout.gpu_memory_utilization / "
                 f"tensor_parallel_size{given}, or set rollout.backend: hf"
             ) from exc
         self.stop_ids = stop_ids(tokenizer)
@@ -435,6 +435,15 @@ class VLLMBackend:
 
     def close(self) -> None:
         shutil.rmtree(self.adapter_root, ignore_errors=True)
+
+
+def _gist(message: str, lines: int = 3, limit: int = 600) -> str:
+    """The first lines of an exception's message on one line: a pydantic error from vLLM's config names its class
+    on the first line, the field and the values it takes on the next two."""
+    kept = [line.strip() for line in message.splitlines() if line.strip()]
+    kept = [line for line in kept if not line.startswith("For further information")][:lines]
+    text = ": ".join(kept)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _stream_caching_runner(llm: Any) -> Any:
