@@ -211,14 +211,15 @@ def test_grpo_run_with_vllm(tmp_path: Path, mode: str, correction: str):
     assert "Traceback" not in result.stderr  # vLLM's exit handler once tore its groups down after ours
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_grpo_on_two_processes_with_an_engine_each(tmp_path: Path, overlap: bool):
+@pytest.mark.parametrize("mode, overlap", [("merged", False), ("adapter", True)])
+def test_grpo_on_two_processes_with_an_engine_each(tmp_path: Path, mode: str, overlap: bool):
     """torchrun, two gloo processes, one vLLM engine per process (external_launcher): every step generates the whole
     step's samples between them, each engine takes its own process's weights (the mismatch, reduced over both, is
     float32's), one log and one model are written, and the run ends without a traceback. With rollout.overlap each
     engine generates its share of the next step in a thread while the processes train (no collective in the
-    thread): the steps after the first train on samples of the weights one step older."""
-    cfg = _cfg("merged", tmp_path)
+    thread): the steps after the first train on samples of the weights one step older. Both sync modes (adapter:
+    each process's engine loads the adapter its own process wrote)."""
+    cfg = _cfg(mode, tmp_path)
     cfg["train"] = {"max_steps": 3, "per_device_batch_size": 8, "learning_rate": 1e-2}
     cfg["evaluation"] = {"dataset": "arith_prompts_test", "max_samples": 8, "max_new_tokens": 24}
     cfg["distributed"] = {"num_processes": 2}
