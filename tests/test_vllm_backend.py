@@ -309,6 +309,35 @@ def test_grpo_with_tools_on_vllm_learns_to_call_the_calculator(tmp_path: Path):
     assert after["val/tool_calls/mean"] >= 0.9 and after["val/score"] >= before["val/score"] + 0.1
 
 
+def test_tool_rollouts_on_two_processes_count_every_call_once(tmp_path: Path):
+    """The agent loop on two processes, an engine each: every rank runs its share's episodes (tool calls executed
+    where they were made), and the step's tool metrics are those of both ranks' episodes, each counted once: the
+    logged calculator calls equal the calls in the trace, which holds both shares."""
+    cfg = _cfg("merged", tmp_path)
+    cfg["model"]["name_or_path"] = str(DATA_DIR / "models" / "tiny-arith-tools")  # SFT'd to call the calculator
+    cfg["data"] = {"dataset": "arith_tool_prompts", "dataset_dir": str(DATA_DIR)}
+    cfg["tools"] = ["calculator"]
+    cfg["agent"] = {"max_turns": 3}
+    cfg["rollout"].update(prompts_per_step=4, num_samples=2, max_prompt_len=384, max_response_len=64)
+    cfg["reward"] = {"functions": {"answer_match": 1.0, "tool_call_validity": 0.2}}
+    cfg["train"] = {"max_steps": 2, "per_device_batch_size": 8}
+    cfg["evaluation"] = {"dataset": None}
+    cfg["distributed"] = {"num_processes": 2}
+    cfg["logging"]["rollout_trace_steps"] = 1
+    result = run_cli("train", str(write_yaml(tmp_path / "run.yaml", cfg)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    out = Path(cfg["output_dir"])
+    steps = [r for r in read_log(out) if "score/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for record in steps:
+        rows = [json.loads(line) for line in (out / "rollouts" / f"step_{record['step']:05d}.jsonl").open()]
+        calls = [c for row in rows for turn in row["turns"] for c in turn["calls"] if c["error_kind"] is None]
+        assert len(rows) == 8 and record["rollout/generated_samples"] == 8
+        assert len(calls) > 0 and record["tool_calls/calculator"] == len(calls)
+        assert record["num_turns/mean"] == sum(len(row["turns"]) for row in rows) / 8
+
+
 def test_overlapped_vllm_rollouts_come_from_the_previous_steps_weights(tmp_path: Path):
     """rollout.overlap on the vLLM engine (no copy: the engine is the sampler): step 1 samples the initial weights,
     step k >= 2 those after step k-1, with vLLM's log-probs equal to that policy's within the engine tolerance while
