@@ -13,6 +13,11 @@ from __future__ import annotations
 
 import gc
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -211,40 +216,6 @@ def test_grpo_run_with_vllm(tmp_path: Path, mode: str, correction: str):
     assert "Traceback" not in result.stderr  # vLLM's exit handler once tore its groups down after ours
 
 
-@pytest.mark.parametrize("mode, overlap", [("merged", False), ("adapter", True)])
-def test_grpo_on_two_processes_with_an_engine_each(tmp_path: Path, mode: str, overlap: bool):
-    """torchrun, two gloo processes, one vLLM engine per process (external_launcher): every step generates the whole
-    step's samples between them, each engine takes its own process's weights (the mismatch, reduced over both, is
-    float32's), one log and one model are written, and the run ends without a traceback. With rollout.overlap each
-    engine generates its share of the next step in a thread while the processes train (no collective in the
-    thread): the steps after the first train on samples of the weights one step older. Both sync modes (adapter:
-    each process's engine loads the adapter its own process wrote)."""
-    cfg = _cfg(mode, tmp_path)
-    cfg["train"] = {"max_steps": 3, "per_device_batch_size": 8, "learning_rate": 1e-2}
-    cfg["evaluation"] = {"dataset": "arith_prompts_test", "max_samples": 8, "max_new_tokens": 24}
-    cfg["distributed"] = {"num_processes": 2}
-    cfg["rollout"]["overlap"] = overlap
-    cfg["logging"]["rollout_trace_steps"] = 1
-    result = run_cli("train", str(write_yaml(tmp_path / "run.yaml", cfg)))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr and "Invalid process group" not in result.stderr
-    out = Path(cfg["output_dir"])
-    steps = [r for r in read_log(out) if "score/mean" in r]
-    assert [r["step"] for r in steps] == [1, 2, 3]  # one writer: each step logged once
-    for record in steps:
-        assert record["rollout/generated_samples"] == 4 * 2  # both processes' shares, counted once
-    assert [r["rollout/staleness"] for r in steps] == ([0.0, 1.0, 1.0] if overlap else [0.0, 0.0, 0.0])
-    on_policy = steps[:1] if overlap else steps  # overlap: later steps' mismatch is one update's move
-    assert all(r["rollout/logprob_diff_mean"] < MEAN_DIFF and r["rollout/prob_pearson"] > 0.999 for r in on_policy)
-    assert all(r["rollout/logprob_diff_mean"] > 10 * MEAN_DIFF for r in steps[1:]) == overlap
-    for index in range(3):
-        trace = (out / "rollouts" / f"step_{index + 1:05d}.jsonl").read_text()
-        rows = [json.loads(line) for line in trace.splitlines()]
-        assert len(rows) == 8 and {r["policy_version"] for r in rows} == {max(index - 1, 0) if overlap else index}
-    assert [r["step"] for r in read_log(out) if "val/score" in r] == [0, 3]
-    assert (out / "adapter_config.json").is_file() and not list(out.glob("rank*"))
-
-
 def test_mismatch_every_asks_vllm_for_log_probs_on_those_steps_only(tmp_path: Path):
     """rollout.mismatch_every: 2: steps 1 and 3 ask the engine for the sampled tokens' log-probs (the mismatch is
     logged and matches the trainer), steps 2 and 4 do not (vLLM skips its log-softmax; no mismatch metrics)."""
@@ -307,6 +278,77 @@ def test_grpo_with_tools_on_vllm_learns_to_call_the_calculator(tmp_path: Path):
     before, after = (r for r in log if "val/score" in r)
     print("tools on vllm:", before["val/score"], "->", after["val/score"])
     assert after["val/tool_calls/mean"] >= 0.9 and after["val/score"] >= before["val/score"] + 0.1
+
+
+def _two_process_run(tmp_path: Path, name: str, mode: str, overlap: bool) -> dict:
+    cfg = _cfg(mode, tmp_path / name)
+    cfg["train"] = {"max_steps": 3, "per_device_batch_size": 8, "learning_rate": 1e-2, "save_steps": 2}
+    cfg["evaluation"] = {"dataset": "arith_prompts_test", "max_samples": 8, "max_new_tokens": 24}
+    cfg["distributed"] = {"num_processes": 2}
+    cfg["rollout"]["overlap"] = overlap
+    cfg["logging"]["rollout_trace_steps"] = 1
+    return cfg
+
+
+@pytest.mark.parametrize("mode, overlap", [("merged", False), ("adapter", True)])
+def test_grpo_on_two_processes_with_an_engine_each(tmp_path: Path, mode: str, overlap: bool):
+    """torchrun, two gloo processes, one vLLM engine per process (external_launcher): every step generates the whole
+    step's samples between them, each engine takes its own process's weights (the mismatch, reduced over both, is
+    float32's), one log and one model are written, and the run ends without a traceback. With rollout.overlap each
+    engine generates its share of the next step in a thread while the processes train (no collective in the
+    thread): the steps after the first train on samples of the weights one step older. Both sync modes (adapter:
+    each process's engine loads the adapter its own process wrote). Without overlap the run is also killed with
+    kill -9 after its checkpoint and resumed: step 3's rollouts are the uninterrupted run's, token for token (each
+    engine samples from torch's generator in its process, whose state the checkpoint keeps per rank)."""
+    cfg = _two_process_run(tmp_path, "whole", mode, overlap)
+    result = run_cli("train", str(write_yaml(tmp_path / "run.yaml", cfg)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "Invalid process group" not in result.stderr
+    out = Path(cfg["output_dir"])
+    steps = [r for r in read_log(out) if "score/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]  # one writer: each step logged once
+    for record in steps:
+        assert record["rollout/generated_samples"] == 4 * 2  # both processes' shares, counted once
+    assert [r["rollout/staleness"] for r in steps] == ([0.0, 1.0, 1.0] if overlap else [0.0, 0.0, 0.0])
+    on_policy = steps[:1] if overlap else steps  # overlap: later steps' mismatch is one update's move
+    assert all(r["rollout/logprob_diff_mean"] < MEAN_DIFF and r["rollout/prob_pearson"] > 0.999 for r in on_policy)
+    assert all(r["rollout/logprob_diff_mean"] > 10 * MEAN_DIFF for r in steps[1:]) == overlap
+    for index in range(3):
+        trace = (out / "rollouts" / f"step_{index + 1:05d}.jsonl").read_text()
+        rows = [json.loads(line) for line in trace.splitlines()]
+        assert len(rows) == 8 and {r["policy_version"] for r in rows} == {max(index - 1, 0) if overlap else index}
+    assert [r["step"] for r in read_log(out) if "val/score" in r] == [0, 3]
+    assert (out / "adapter_config.json").is_file() and not list(out.glob("rank*"))
+    if overlap:
+        return
+    killed = _two_process_run(tmp_path, "killed", mode, overlap)
+    path = write_yaml(tmp_path / "killed.yaml", killed)
+    kill_after(Path(killed["output_dir"]) / "checkpoint-2" / "trainer_state.json", "train", str(path))
+    resumed_dir = Path(killed["output_dir"])
+    (resumed_dir / "rollouts" / "step_00003.jsonl").unlink(missing_ok=True)  # a kill that came late
+    result = run_cli("train", str(path), "resume_from_checkpoint=auto")
+    assert result.returncode == 0 and "resumed from" in result.stdout + result.stderr, result.stderr[-3000:]
+    step3 = lambda folder: (folder / "rollouts" / "step_00003.jsonl").read_text()
+    assert step3(resumed_dir) == step3(out)
+    assert [r["step"] for r in read_log(resumed_dir) if "score/mean" in r] == [1, 2, 3]
+
+
+def kill_after(path: Path, *args: str, timeout: float = 300) -> None:
+    """``rlfactory <args>`` in its own session, killed with SIGKILL (all its processes) once ``path`` exists."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "rlfactory", *args]
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    deadline = time.monotonic() + timeout
+    try:
+        while not path.is_file():
+            assert proc.poll() is None, "the run ended before it wrote " + str(path)
+            assert time.monotonic() < deadline, f"no {path} in {timeout} s"
+            time.sleep(0.1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def test_tool_rollouts_on_two_processes_count_every_call_once(tmp_path: Path):
