@@ -4,9 +4,11 @@ the round's kernels once it is taken. Long GPU work on each side makes a missing
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rlfactory.engine.online.overlap import Prefetch, Round
+from rlfactory.errors import UserError
 
 
 def _busy(size: int = 4096, times: int = 20) -> torch.Tensor:
@@ -48,7 +50,9 @@ def test_a_confined_update_runs_on_a_green_stream_ordered_with_the_main_thread()
     """``rollout.overlap_update_sms``: while a round is pending, the main thread's kernels go to a green context's
     stream, which waits for what the main stream had queued, and the main stream waits for it after."""
     torch.cuda.set_device(0)
-    prefetch = Prefetch(update_sms=16)
+    params = torch.zeros(1 << 20, device="cuda")
+    prefetch = Prefetch(update_sms=16)  # CUDA is up: the green context is made here
+    assert prefetch.green_stream is not None
     started = []
 
     def generate(round_: Round) -> Round:
@@ -56,7 +60,6 @@ def test_a_confined_update_runs_on_a_green_stream_ordered_with_the_main_thread()
         _busy(times=10)
         return round_
 
-    params = torch.zeros(1 << 20, device="cuda")
     _busy()
     params.fill_(1.0)  # queued behind long work on the main stream: the confined update must see it
     prefetch.launch(Round([], [], 0, {}), generate)
@@ -72,3 +75,5 @@ def test_a_confined_update_runs_on_a_green_stream_ordered_with_the_main_thread()
     assert seen.item() == params.numel() and total == 3.0 * params.numel()
     with prefetch.confined():  # no round pending: the main stream itself
         assert torch.cuda.current_stream() == main
+    with pytest.raises(UserError, match="rollout.overlap_update_sms is 100000, but GPU 0 has"):
+        Prefetch(update_sms=100_000)

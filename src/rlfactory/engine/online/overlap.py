@@ -42,6 +42,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlfactory.errors import UserError
+
 
 @dataclass
 class Round:
@@ -78,6 +80,8 @@ class Prefetch:
         self.update_sms = update_sms  # rollout.overlap_update_sms
         self.green: Any = None  # CUDA: the green context of update_sms SMs (its streams die with it: kept here)
         self.green_stream: Any = None
+        if update_sms is not None and _current_cuda_device() is not None:
+            self._make_green()  # now: a GPU without green contexts is refused before the first step
 
     @contextmanager
     def confined(self) -> Iterator[None]:
@@ -92,8 +96,7 @@ class Prefetch:
         import torch
 
         if self.green is None:
-            self.green = _green_context(self.update_sms, device)
-            self.green_stream = self.green.Stream()
+            self._make_green()
         outer = torch.cuda.current_stream()
         self.green_stream.wait_stream(outer)
         try:
@@ -101,6 +104,12 @@ class Prefetch:
                 yield
         finally:
             outer.wait_stream(self.green_stream)
+
+    def _make_green(self) -> None:
+        device = _current_cuda_device()
+        assert self.update_sms is not None and device is not None
+        self.green = _green_context(self.update_sms, device)
+        self.green_stream = self.green.Stream()
 
     def launch(self, round_: Round, generate: Callable[[Round], Round]) -> None:
         assert self.pending is None, "one round in flight at a time"
@@ -176,8 +185,8 @@ def _green_context(sms: int, device: int) -> Any:
     import torch
 
     available = torch.cuda.get_device_properties(device).multi_processor_count
-    if sms > available:
-        raise ValueError(
+    if sms >= available:
+        raise UserError(
             f"rollout.overlap_update_sms is {sms}, but GPU {device} has {available} SMs; set it below {available}"
         )
     try:
@@ -185,7 +194,7 @@ def _green_context(sms: int, device: int) -> Any:
 
         return GreenContext.create(num_sms=sms, device_id=device)
     except Exception as exc:  # torch < 2.9 (no module), a build or driver without green contexts
-        raise RuntimeError(
+        raise UserError(
             f"rollout.overlap_update_sms needs CUDA green contexts, which this torch/driver does not give "
             f"({type(exc).__name__}: {exc}); remove overlap_update_sms"
         ) from exc
