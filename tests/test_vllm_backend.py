@@ -280,27 +280,22 @@ def test_grpo_with_tools_on_vllm_learns_to_call_the_calculator(tmp_path: Path):
     assert after["val/tool_calls/mean"] >= 0.9 and after["val/score"] >= before["val/score"] + 0.1
 
 
-def _two_process_run(tmp_path: Path, name: str, mode: str, overlap: bool) -> dict:
-    cfg = _cfg(mode, tmp_path / name)
+def _two_process_run(tmp_path: Path, name: str) -> dict:
+    cfg = _cfg("merged", tmp_path / name)
     cfg["train"] = {"max_steps": 3, "per_device_batch_size": 8, "learning_rate": 1e-2, "save_steps": 2}
     cfg["evaluation"] = {"dataset": "arith_prompts_test", "max_samples": 8, "max_new_tokens": 24}
     cfg["distributed"] = {"num_processes": 2}
-    cfg["rollout"]["overlap"] = overlap
     cfg["logging"]["rollout_trace_steps"] = 1
     return cfg
 
 
-@pytest.mark.parametrize("mode, overlap", [("merged", False), ("adapter", True)])
-def test_grpo_on_two_processes_with_an_engine_each(tmp_path: Path, mode: str, overlap: bool):
+def test_grpo_on_two_processes_with_an_engine_each_resumes_after_kill_9(tmp_path: Path):
     """torchrun, two gloo processes, one vLLM engine per process (external_launcher): every step generates the whole
     step's samples between them, each engine takes its own process's weights (the mismatch, reduced over both, is
-    float32's), one log and one model are written, and the run ends without a traceback. With rollout.overlap each
-    engine generates its share of the next step in a thread while the processes train (no collective in the
-    thread): the steps after the first train on samples of the weights one step older. Both sync modes (adapter:
-    each process's engine loads the adapter its own process wrote). Without overlap the run is also killed with
-    kill -9 after its checkpoint and resumed: step 3's rollouts are the uninterrupted run's, token for token (each
-    engine samples from torch's generator in its process, whose state the checkpoint keeps per rank)."""
-    cfg = _two_process_run(tmp_path, "whole", mode, overlap)
+    float32's), one log and one model are written, and the run ends without a traceback. Killed with kill -9 after
+    its checkpoint and resumed, step 3's rollouts are the uninterrupted run's, token for token (each engine samples
+    from torch's generator in its process, whose state the checkpoint keeps per rank)."""
+    cfg = _two_process_run(tmp_path, "whole")
     result = run_cli("train", str(write_yaml(tmp_path / "run.yaml", cfg)))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr and "Invalid process group" not in result.stderr
@@ -309,19 +304,14 @@ def test_grpo_on_two_processes_with_an_engine_each(tmp_path: Path, mode: str, ov
     assert [r["step"] for r in steps] == [1, 2, 3]  # one writer: each step logged once
     for record in steps:
         assert record["rollout/generated_samples"] == 4 * 2  # both processes' shares, counted once
-    assert [r["rollout/staleness"] for r in steps] == ([0.0, 1.0, 1.0] if overlap else [0.0, 0.0, 0.0])
-    on_policy = steps[:1] if overlap else steps  # overlap: later steps' mismatch is one update's move
-    assert all(r["rollout/logprob_diff_mean"] < MEAN_DIFF and r["rollout/prob_pearson"] > 0.999 for r in on_policy)
-    assert all(r["rollout/logprob_diff_mean"] > 10 * MEAN_DIFF for r in steps[1:]) == overlap
+        assert record["rollout/logprob_diff_mean"] < MEAN_DIFF and record["rollout/prob_pearson"] > 0.999
     for index in range(3):
-        trace = (out / "rollouts" / f"step_{index + 1:05d}.jsonl").read_text()
-        rows = [json.loads(line) for line in trace.splitlines()]
-        assert len(rows) == 8 and {r["policy_version"] for r in rows} == {max(index - 1, 0) if overlap else index}
+        rows = [json.loads(line) for line in (out / "rollouts" / f"step_{index + 1:05d}.jsonl").open()]
+        assert len(rows) == 8 and {r["policy_version"] for r in rows} == {index}
     assert [r["step"] for r in read_log(out) if "val/score" in r] == [0, 3]
     assert (out / "adapter_config.json").is_file() and not list(out.glob("rank*"))
-    if overlap:
-        return
-    killed = _two_process_run(tmp_path, "killed", mode, overlap)
+
+    killed = _two_process_run(tmp_path, "killed")
     path = write_yaml(tmp_path / "killed.yaml", killed)
     kill_after(Path(killed["output_dir"]) / "checkpoint-2" / "trainer_state.json", "train", str(path))
     resumed_dir = Path(killed["output_dir"])
@@ -351,18 +341,20 @@ def kill_after(path: Path, *args: str, timeout: float = 300) -> None:
         proc.wait()
 
 
-def test_tool_rollouts_on_two_processes_count_every_call_once(tmp_path: Path):
-    """The agent loop on two processes, an engine each: every rank runs its share's episodes (tool calls executed
-    where they were made), and the step's tool metrics are those of both ranks' episodes, each counted once: the
-    logged calculator calls equal the calls in the trace, which holds both shares."""
-    cfg = _cfg("merged", tmp_path)
+def test_overlapped_tool_rollouts_on_two_processes_count_every_call_once(tmp_path: Path):
+    """The agent loop on two processes, an engine each, with rollout.overlap and adapter sync: each engine generates
+    its share of the next step's episodes in a thread while the processes train (no collective in the thread), so
+    the steps after the first sample the weights one step older (staleness, trace versions, a mismatch of one
+    update's move); the step's tool metrics are those of both ranks' episodes, each counted once: the logged
+    calculator calls equal the calls in the trace, which holds both shares."""
+    cfg = _cfg("adapter", tmp_path)
     cfg["model"]["name_or_path"] = str(DATA_DIR / "models" / "tiny-arith-tools")  # SFT'd to call the calculator
     cfg["data"] = {"dataset": "arith_tool_prompts", "dataset_dir": str(DATA_DIR)}
     cfg["tools"] = ["calculator"]
     cfg["agent"] = {"max_turns": 3}
-    cfg["rollout"].update(prompts_per_step=4, num_samples=2, max_prompt_len=384, max_response_len=64)
+    cfg["rollout"].update(prompts_per_step=4, num_samples=2, max_prompt_len=384, max_response_len=64, overlap=True)
     cfg["reward"] = {"functions": {"answer_match": 1.0, "tool_call_validity": 0.2}}
-    cfg["train"] = {"max_steps": 2, "per_device_batch_size": 8}
+    cfg["train"] = {"max_steps": 3, "per_device_batch_size": 8, "learning_rate": 1e-2}
     cfg["evaluation"] = {"dataset": None}
     cfg["distributed"] = {"num_processes": 2}
     cfg["logging"]["rollout_trace_steps"] = 1
@@ -371,13 +363,18 @@ def test_tool_rollouts_on_two_processes_count_every_call_once(tmp_path: Path):
     assert "Traceback" not in result.stderr
     out = Path(cfg["output_dir"])
     steps = [r for r in read_log(out) if "score/mean" in r]
-    assert [r["step"] for r in steps] == [1, 2]
-    for record in steps:
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert [r["rollout/staleness"] for r in steps] == [0.0, 1.0, 1.0]
+    assert steps[0]["rollout/logprob_diff_mean"] < MEAN_DIFF  # on-policy: float32's
+    assert all(r["rollout/logprob_diff_mean"] > 10 * MEAN_DIFF for r in steps[1:])  # one update behind
+    for index, record in enumerate(steps):
         rows = [json.loads(line) for line in (out / "rollouts" / f"step_{record['step']:05d}.jsonl").open()]
         calls = [c for row in rows for turn in row["turns"] for c in turn["calls"] if c["error_kind"] is None]
         assert len(rows) == 8 and record["rollout/generated_samples"] == 8
+        assert {r["policy_version"] for r in rows} == {max(index - 1, 0)}
         assert len(calls) > 0 and record["tool_calls/calculator"] == len(calls)
         assert record["num_turns/mean"] == sum(len(row["turns"]) for row in rows) / 8
+    assert (out / "adapter_config.json").is_file()
 
 
 def test_overlapped_vllm_rollouts_come_from_the_previous_steps_weights(tmp_path: Path):
