@@ -195,6 +195,16 @@ def test_overlap_config_rules():
         RunConfig.model_validate(_grpo(overlap_update_sms=100))
 
 
+def test_update_sms_without_overlap_is_one_clear_error_at_the_cli(tmp_path: Path):
+    cfg = {**_grpo(overlap_update_sms=100), "output_dir": str(tmp_path / "out")}
+    cfg["model"] = {"name_or_path": str(TINY_MODEL)}
+    cfg["data"] = {"dataset": "arith_prompts", "dataset_dir": str(DATA_DIR)}
+    result = run_cli("train", str(write_yaml(tmp_path / "run.yaml", cfg)))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "rollout.overlap_update_sms confines the update" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_confining_the_update_is_a_no_op_without_a_pending_round_or_cuda():
     """``Prefetch.confined`` switches streams only on CUDA with a round pending (tests/gpu covers the GPU side)."""
     from rlfactory.engine.online.overlap import Prefetch, Round
