@@ -65,7 +65,7 @@ XDIST_ORDER := $(if $(filter 0,$(TEST_WORKERS)),,--maxschedchunk 2)
 # in a 2-process run) prints every thread's Python stack, so the log says where it was; tests/conftest.py adds the
 # aborting thread's native stack (tests/native/abort_backtrace.c)
 test-main: $(STAMP)
-	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(XDIST_ORDER) -m "not long"
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(XDIST_ORDER) -m "not long" --durations=30
 
 # the learning comparisons marked `long` (tens of minutes): run them when their code changes
 test-long: $(STAMP)
@@ -77,7 +77,7 @@ test-fast: $(STAMP)
 
 # one small KV cache (GiB) per engine; passive OpenMP threads on a shared 2-core machine
 test-vllm: $(VLLM_STAMP)
-	HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 OMP_WAIT_POLICY=PASSIVE $(VLLM_BIN)/python -m pytest -q -m vllm \
+	HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 OMP_WAIT_POLICY=PASSIVE $(VLLM_BIN)/python -m pytest -q -m vllm --durations=15 \
 		tests/test_vllm_backend.py tests/test_vllm_serve.py tests/test_vllm_eval.py
 
 lint: $(STAMP)

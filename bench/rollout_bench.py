@@ -342,6 +342,48 @@ def engine_args(args) -> dict:
     }
 
 
+def trace_phases(step: int, trace_dir: Path) -> None:
+    """``--trace-step N``: step N's update (``phases.update_models``) and step N+1's generation
+    (``phases.collect``) each under torch.profiler: a Chrome trace per phase in ``trace_dir`` and
+    ``bench/step_trace.py``'s summary (GPU busy time, idle stretches, kernel time by kind) on stdout, each line
+    starting with ``TRACE <phase>``. Two phases, two traces: the kernel shares of decoding and of the update do not
+    mix. Without overlap (with it, the round runs beside the update in the trace)."""
+    import gzip
+
+    import torch
+    from step_trace import summarize
+    from torch.profiler import ProfilerActivity, profile
+
+    from rlfactory.engine.online import phases
+
+    def traced(name: str, at: int, inner):
+        def wrapper(run, *rest):
+            index = rest[-1] if name == "update" else rest[0]
+            if index != at:
+                return inner(run, *rest)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                result = inner(run, *rest)
+                torch.cuda.synchronize()
+            raw = trace_dir / f"trace_{name}_step{index}.json"
+            prof.export_chrome_trace(str(raw))
+            with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
+                dst.write(src.read())
+            raw.unlink()
+            for line in summarize(f"{raw}.gz", gaps=6).splitlines():
+                print(f"TRACE {name} {line}", flush=True)
+            table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70)
+            for line in table.splitlines():
+                print(f"TRACE {name} ops| {line}", flush=True)
+            return result
+
+        return wrapper
+
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    phases.update_models = traced("update", step, phases.update_models)
+    phases.collect = traced("generate", step + 1, phases.collect)
+
+
 def case_grpo(args, model_dir: Path) -> dict:
     """GRPO through the real CLI entry point, in this process (the engine is colocated)."""
     import yaml
@@ -365,6 +407,8 @@ def case_grpo(args, model_dir: Path) -> dict:
         return result
 
     online.step = timed_step
+    if args.trace_step is not None:
+        trace_phases(args.trace_step, Path(args.trace_dir or out))
     if args.switch_us:  # :switchN: the overlap thread's decode loop and the update contend for the GIL
         sys.setswitchinterval(args.switch_us / 1e6)
     with PeakMemory() as memory:
@@ -734,6 +778,14 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--kvfp8", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--trace-step",
+        type=int,
+        default=None,
+        help="grpo runs: profile step N's update and step N+1's generation (torch.profiler; summaries on stdout as "
+        "TRACE lines, Chrome traces in --trace-dir)",
+    )
+    parser.add_argument("--trace-dir", default=None, help="--trace-step: where the traces go (default: a temp dir)")
     args = parser.parse_args()
     if args.one:
         return run_one(args)
@@ -775,6 +827,8 @@ def main() -> None:
         runs += [["--case", "gen", "--impl", i] for i in args.gen_impls.split(",")]
     keep = ("prompts", "grpo_prompts", "samples", "tokens", "steps", "warmup", "repeats", "gpu_mem", "gpus")
     passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keep]
+    passthrough += [f"--trace-step={args.trace_step}"] if args.trace_step is not None else []
+    passthrough += [f"--trace-dir={args.trace_dir}"] if args.trace_dir else []
     passthrough += ["--eager"] if args.eager else []
     if args.var_lengths:
         high = int(args.var_lengths.split(":")[1])
