@@ -5,6 +5,7 @@ no longer than the longest sample (``update.PackLayout``), alternated, on one mo
     python bench/packed_update.py                                   # the bundled model's shape, sdpa, CPU
     python bench/packed_update.py --shape qwen2.5-0.5b --lengths 32:1024 --samples 64   # on a GPU (bf16)
     python bench/packed_update.py --attn flex_attention --layouts padded,row             # GPU only (flex backward)
+    python bench/packed_update.py --attn sdpa_varlen --layouts padded,rows,row   # one row through torch's varlen kernel
     python bench/packed_update.py --sft --lengths 64:1024 --samples 8   # sft's data.packing collates, nll_sum
 
 Prompts are ``--prompt`` tokens, responses drawn from ``--lengths`` (seeded); random weights. Reported per layout:
@@ -39,7 +40,9 @@ def build_model(shape: str, attn: str):
         from train_bench import SHAPES
 
         config = Qwen2Config(**SHAPES[shape], max_position_embeddings=8192, eos_token_id=2, pad_token_id=0)
-    config._attn_implementation = attn
+    from rlfactory.model.attention import attention_implementation
+
+    config._attn_implementation = attention_implementation(attn)  # sdpa_varlen: registered with transformers first
     with torch.device("cuda" if cuda else "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.train(), config.vocab_size

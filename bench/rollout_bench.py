@@ -281,6 +281,8 @@ def _grpo_cfg(args, model_dir: Path, out: Path, backend: str, sync: str, sleep: 
             # :flex: flex attention, whose block mask skips a packed row's cross-sample blocks (one packed row per
             # micro-batch); sdpa, the default, packs rows as long as the longest sample (:padded: no packing)
             **({"attn_implementation": "flex_attention"} if args.flex else {}),
+            # :varlen: sdpa_varlen, a micro-batch as one packed row through torch's flash-attention varlen kernel
+            **({"attn_implementation": "sdpa_varlen"} if args.varlen else {}),
         },
         "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear", "dropout": 0.0},
         "data": {"dataset": "arith_prompts", "dataset_dir": str(ROOT / "data")},
@@ -434,6 +436,7 @@ def case_grpo(args, model_dir: Path) -> dict:
         "compile": args.compile,
         "overlap": args.overlap,
         "flex": args.flex,
+        "varlen": args.varlen,
         "padded": args.padded,
         "mismatch_every": args.mismatch_every,
         "micro_batch_tokens": args.micro_tokens,
@@ -464,7 +467,7 @@ def case_grpo(args, model_dir: Path) -> dict:
     }
 
 
-RUN_FIELDS = {"compile", "overlap", "flex", "padded", "fixedseg", "fp8", "kvfp8"}  # each a --flag of a case
+RUN_FIELDS = {"compile", "overlap", "flex", "varlen", "padded", "fixedseg", "fp8", "kvfp8"}  # each a --flag of a case
 NUMBERED_FIELDS = {"mis": "--mismatch-every", "tok": "--micro-tokens", "switch": "--switch-us", "green": "--update-sms"}
 
 
@@ -674,6 +677,7 @@ def table(results: list[dict]) -> str:
                 name += " +compile" if r.get("compile") else ""
                 name += " +overlap" if r.get("overlap") else ""
                 name += " +flex (packed)" if r.get("flex") else ""
+                name += " +sdpa_varlen (one packed row)" if r.get("varlen") else ""
                 name += " +padded" if r.get("padded") else ""
                 name += " +fixed segments" if "expandable_segments:False" in r.get("alloc_conf", "") else ""
                 name += f" +mismatch_every {r['mismatch_every']}" if r.get("mismatch_every", 1) > 1 else ""
@@ -715,7 +719,7 @@ def main() -> None:
         "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False; the online stages use expandable ones by default "
         "without sleep mode), :greenN rollout.overlap_update_sms N, :fp8 / :kvfp8 rollout.engine_args quantization / "
         "kv_cache_dtype fp8, :flex flex attention with packed "
-        "updates (e.g. adapter:64:compile:overlap)",
+        "updates, :varlen model.attn_implementation sdpa_varlen (e.g. adapter:64:compile:overlap)",
     )
     parser.add_argument("--sleep-runs", default="adapter:64,merged:64", help="memory: the same, with sleep mode")
     parser.add_argument("--gpu-mem", type=float, default=0.3, help="vLLM gpu_memory_utilization (both)")
@@ -769,6 +773,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--overlap", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--flex", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--varlen", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--padded", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--fixedseg", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mismatch-every", type=int, default=1, help=argparse.SUPPRESS)

@@ -6,6 +6,7 @@ very different lengths; and the same row with running position ids must differ (
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -322,3 +323,119 @@ def test_packing_setting(tmp_path):
     assert packing_on(cfg("auto", "sdpa")) == packing_on(cfg("auto", "eager")) == "rows"
     assert packing_on(cfg("auto", remote=True)) is None and packing_on(cfg("on", remote=True)) == "row"
     assert packing_on(cfg("off")) is None
+
+
+# --------------------------------------------------------------------------- model.attn_implementation: sdpa_varlen
+@pytest.fixture(scope="module")
+def varlen_model(model):
+    """The same float64 weights under ``sdpa_varlen`` (``model.attention``), loaded the way the loader loads it."""
+    from rlfactory.model.attention import attention_implementation
+
+    net = _load(attention_implementation("sdpa_varlen"), torch.float64)
+    net.load_state_dict(model.state_dict())
+    return net
+
+
+@pytest.fixture
+def per_document_calls(monkeypatch):
+    """How many attention calls took the varlen path (on CPU: sdpa once per document)."""
+    from rlfactory.model import attention
+
+    calls, inner = [], attention._per_document
+    monkeypatch.setattr(attention, "_per_document", lambda *a, **k: calls.append(1) or inner(*a, **k))
+    return calls
+
+
+def test_sdpa_varlen_runs_one_packed_row_by_its_documents_with_the_padded_numbers(
+    model, varlen_model, batch, per_document_calls
+):
+    """One row of six samples (lengths 4 to 129), its boundaries passed with it: every layer's attention runs per
+    document (not sdpa's masked row), and the log-probs and entropies equal sdpa's padded rows (float64: measured
+    equal; bound as the other layouts')."""
+    rows = torch.arange(len(PROMPTS))
+    packed = _packed(batch, rows.tolist(), "row")
+    prompt, response = host_lengths(batch)
+    lengths = [p + r for p, r in zip(prompt, response, strict=True)]
+    assert packed.cu_seqlens.tolist() == [0, *itertools.accumulate(lengths)] and packed.max_length == max(lengths)
+    assert packed.cu_seqlens.dtype == torch.int32 and _packed(batch, rows.tolist(), "rows").cu_seqlens is None
+    with torch.no_grad():
+        padded, padded_ent = policy_forward(model, batch, rows, 0.7, "metric")
+        varlen, varlen_ent = policy_forward(varlen_model, batch, rows, 0.7, "metric", packed=packed)
+    assert len(per_document_calls) == varlen_model.config.num_hidden_layers
+    assert (varlen - padded).abs().max() <= 4 * EPS32 * padded.abs().max() and padded.abs().max() > 1
+    assert (varlen_ent - padded_ent).abs().max() <= 4 * EPS32 * padded_ent.abs().max()
+
+
+def test_sdpa_varlen_attends_by_the_boundaries_it_is_given(varlen_model, batch):
+    """The control: the same row with samples 1 and 2 given as one document (a boundary dropped) changes sample 2's
+    numbers and leaves the others' as they were: the boundaries, not the position ids' mask, decide."""
+    rows = torch.arange(len(PROMPTS))
+    packed = _packed(batch, rows.tolist(), "row")
+    merged = replace(packed, cu_seqlens=torch.cat([packed.cu_seqlens[:2], packed.cu_seqlens[3:]]))
+    with torch.no_grad():
+        right, _ = policy_forward(varlen_model, batch, rows, packed=packed)
+        wrong, _ = policy_forward(varlen_model, batch, rows, packed=merged)
+    assert torch.equal(right[[0, 1, 3, 4, 5]], wrong[[0, 1, 3, 4, 5]])
+    assert (right[2] - wrong[2]).abs().max() > 0.1
+
+
+def test_sdpa_varlen_is_sdpa_for_padded_rows(model, varlen_model, batch, per_document_calls):
+    """A call without boundaries (padded rows, the HF backend's generation) is transformers' sdpa, bit for bit."""
+    rows = torch.arange(len(PROMPTS))
+    with torch.no_grad():
+        sdpa, _ = policy_forward(model, batch, rows)
+        varlen, _ = policy_forward(varlen_model, batch, rows)
+    assert torch.equal(sdpa, varlen) and not per_document_calls
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum-norm"])
+def test_sdpa_varlen_updates_and_critic_give_the_padded_loss_and_gradients(model, varlen_model, batch, agg: str):
+    """The actor's loss and every gradient (as test_packed_updates_give_the_padded_loss_and_gradients), and the
+    critic's values on the varlen trunk (its ``forward`` passes the boundaries on), equal padded sdpa's."""
+    from rlfactory.model.value_head import ValueModel
+
+    with torch.no_grad():
+        current, _ = policy_forward(model, batch, torch.arange(len(PROMPTS)))
+    scored = replace(batch, old_logprobs=current.double() + 0.05 * batch.advantages, ref_logprobs=current.double())
+    alg = AlgorithmConfig(adv_estimator="grpo", loss_agg=agg, kl_loss_coef=0.1, entropy_coef=0.01)
+    splits = [[1, 5, 2], [0, 4, 3]]
+    padded, padded_grads = _loss_and_grads(copy.deepcopy(model), scored, splits, None, alg)
+    packed, packed_grads = _loss_and_grads(copy.deepcopy(varlen_model), scored, splits, "row", alg)
+    assert packed == pytest.approx(padded, rel=4 * EPS32, abs=4 * EPS32) and padded != 0
+    assert len(packed_grads) == len(padded_grads) == len(list(model.parameters()))
+    for a, b in zip(packed_grads, padded_grads, strict=True):
+        assert (a - b).abs().max() <= 1024 * EPS64 * b.abs().max()
+    critics = [ValueModel(copy.deepcopy(net)).double() for net in (model, varlen_model)]
+    for critic in critics:
+        torch.manual_seed(1)
+        torch.nn.init.normal_(critic.value_head.weight, std=0.1)
+    rows = torch.arange(len(PROMPTS))
+    with torch.no_grad():
+        padded_values = value_forward(critics[0], batch, rows)
+        varlen_values = value_forward(critics[1], batch, rows, packed=_packed(batch, rows.tolist(), "row"))
+    assert (varlen_values - padded_values).abs().max() <= 1024 * EPS64 * padded_values.abs().max()
+    assert padded_values.abs().max() > 0
+
+
+def test_sdpa_varlen_setting(tmp_path):
+    """The loader registers the kernel with transformers; ppo/grpo then pack a micro-batch into one row; this torch
+    has the varlen kernel (so a CUDA machine with it gets no environment problem)."""
+    from rlfactory.config.schema import RunConfig
+    from rlfactory.engine.environment import environment_problems
+    from rlfactory.engine.online.loop import packing_on
+    from rlfactory.model.attention import varlen_kernel_problem
+    from rlfactory.model.loader import load_model
+
+    cfg = RunConfig.model_validate(
+        {
+            "stage": "grpo",
+            "output_dir": str(tmp_path / "out"),
+            "model": {"name_or_path": str(TINY_MODEL), "attn_implementation": "sdpa_varlen"},
+            "data": {"dataset": "arith_prompts"},
+            "reward": {"functions": {"answer_match": 1.0}},
+        }
+    )
+    assert packing_on(cfg) == "row"
+    loaded = load_model(cfg.model, cfg.lora, cfg.freeze)
+    assert loaded.config._attn_implementation == "sdpa_varlen"
+    assert varlen_kernel_problem() is None and environment_problems(cfg) == []

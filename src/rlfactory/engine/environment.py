@@ -36,6 +36,11 @@ def environment_problems(cfg: RunConfig) -> list[str]:
         problems.append(qlora)
     if cfg.model.liger_kernel == "on" and importlib.util.find_spec("liger_kernel") is None:
         problems.append("model.liger_kernel: on needs the liger-kernel package (`pip install liger-kernel`)")
+    if cfg.model.attn_implementation == "sdpa_varlen" and torch.cuda.is_available():
+        from rlfactory.model.attention import varlen_kernel_problem
+
+        if kernel := varlen_kernel_problem():
+            problems.append(f"model.attn_implementation: sdpa_varlen needs torch's varlen kernel: {kernel}; use sdpa")
     packages = {"flash_attention_2": "flash_attn"}
     package = packages.get(cfg.model.attn_implementation)
     if package is not None and importlib.util.find_spec(package) is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,11 +38,12 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, **attention: Any
     ) -> torch.Tensor:
+        """``attention``: a packed row's document boundaries for the varlen kernels (``PackedRows.inputs``)."""
         decoder = self.lm.get_decoder()
         hidden = decoder(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **attention
         ).last_hidden_state
         return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
 

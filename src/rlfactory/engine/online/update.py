@@ -18,6 +18,7 @@ mini-batch, as on one process.
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -93,6 +94,10 @@ class PackedRows:
     place: torch.Tensor  # (K,) where each of them goes in the (b, width) response layout, flattened
     rows: int  # b
     width: int  # the micro-batch's longest response (>= 1)
+    # layout "row": the documents' boundaries in the row, (samples + 1,) int32, and the longest, as transformers'
+    # flash-attention path and ``model.attention``'s sdpa_varlen read them (no device sync to find them)
+    cu_seqlens: torch.Tensor | None = None
+    max_length: int = 0
 
     @classmethod
     def build(
@@ -123,18 +128,35 @@ class PackedRows:
             positions.append(document_positions([lengths[i] for i in members] + ([tail] if tail else [])))
         cat = lambda parts: torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
         position_ids = torch.stack(positions) if positions else torch.zeros((1, 0), dtype=torch.long)
-        return cls(cat(gather), position_ids, cat(keep), cat(place), len(prompt), width)
+        cu_seqlens = None
+        if layout != "rows" and lengths:
+            cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+        return cls(
+            cat(gather), position_ids, cat(keep), cat(place), len(prompt), width, cu_seqlens, max(lengths, default=0)
+        )
 
     def to(self, device: torch.device | str) -> PackedRows:
         pinned = lambda t: (t.pin_memory() if torch.device(device).type == "cuda" else t).to(device, non_blocking=True)
         return PackedRows(
-            pinned(self.gather), pinned(self.position_ids), pinned(self.keep), pinned(self.place), self.rows, self.width
+            pinned(self.gather),
+            pinned(self.position_ids),
+            pinned(self.keep),
+            pinned(self.place),
+            self.rows,
+            self.width,
+            None if self.cu_seqlens is None else pinned(self.cu_seqlens),
+            self.max_length,
         )
 
-    def inputs(self, batch: Batch, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The packed rows' model inputs (no attention mask: the position ids separate the samples)."""
+    def inputs(self, batch: Batch, rows: torch.Tensor) -> dict[str, Any]:
+        """The packed rows' model inputs (no attention mask: the position ids separate the samples; one row also
+        says where its documents start, for the varlen kernels)."""
         ids = batch.input_ids[rows].reshape(-1)[self.gather].view(self.position_ids.shape)
-        return {"input_ids": ids, "position_ids": self.position_ids}
+        inputs: dict[str, Any] = {"input_ids": ids, "position_ids": self.position_ids}
+        if self.cu_seqlens is not None:
+            inputs |= {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens}
+            inputs |= {"max_length_q": self.max_length, "max_length_k": self.max_length}
+        return inputs
 
     def scatter(self, values: torch.Tensor, batch: Batch) -> torch.Tensor:
         """(K,) per response token -> (b, R) in the batch's response layout, zeros elsewhere (differentiable)."""

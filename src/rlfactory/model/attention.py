@@ -1,0 +1,132 @@
+"""``model.attn_implementation: sdpa_varlen``: sdpa, except that a packed row arrives at torch's flash-attention
+varlen kernel (``torch.nn.attention.varlen.varlen_attn``) with its documents' boundaries.
+
+Why: a packed row under sdpa goes to the model with a block-diagonal mask built from its position ids, and sdpa's
+masked kernel (the memory-efficient one) computes every block of the row's attention, masked or not. In a 7B GRPO
+update on an H200 that kernel took 22% of the GPU's time (docs/BENCHMARKS.md, twenty-sixth session), rows being as
+long as the longest sample. The varlen kernel computes each document's causal triangle only, so the online stages'
+passes can pack a whole micro-batch into ONE row (``update.PackLayout`` "row") at the cost of its real tokens.
+``flash_attention_2`` does the same but needs the flash-attn package (a CUDA build per torch version); this needs
+torch alone.
+
+Registered with transformers' ``AttentionInterface`` (its documented way to add a kernel) under ``sdpa_varlen``,
+with sdpa's mask function: a call that carries ``cu_seq_lens_q`` (``update.PackedRows.inputs`` passes them, the
+names transformers' flash-attention path reads) runs varlen and ignores the mask; every other call (padded rows,
+generation with a cache, sliding windows, dropout, a full-precision model) is transformers' sdpa, unchanged.
+On CPU (no flash kernel) the varlen call runs sdpa's causal kernel once per document: the same numbers, used by the
+CPU tests and by CPU runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+NAME = "sdpa_varlen"
+
+
+def attention_implementation(name: str) -> str:
+    """``model.attn_implementation`` as transformers takes it: ``sdpa_varlen`` is registered first."""
+    if name == NAME:
+        register()
+    return name
+
+
+@functools.cache
+def register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(NAME, varlen_attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)  # the calls that are not varlen need sdpa's masks
+
+
+def varlen_kernel_problem() -> str | None:
+    """Why this torch cannot run the varlen kernel on CUDA (None: it can). torch 2.10 added ``varlen_attn`` with
+    ``scale`` and ``window_size``; 2.9's had neither."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen"
+    if "scale" not in inspect.signature(varlen_attn).parameters:
+        return f"torch {torch.__version__}'s varlen_attn takes no scale (torch >= 2.10 does)"
+    return None
+
+
+@functools.cache
+def _varlen_parameters() -> frozenset[str]:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def varlen_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: (B, H, T, D) inputs, (B, T, H, D) output and no weights."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    plain = (
+        cu_seqlens is None
+        or query.shape[0] != 1
+        or query.shape[2] != key.shape[2]  # a cache: not a packed training row
+        or dropout > 0.0
+        or sliding_window is not None
+        or kwargs.get("softcap") is not None
+    )
+    if plain:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
+    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
+        # max_length_q as given (an int, or a symbolic one in a compiled layer: int() would specialize on it)
+        out = _flash_varlen(q, k, v, cu_seqlens, kwargs["max_length_q"], scale)
+    else:
+        out = _per_document(q, k, v, cu_seqlens, scale)
+    return out.unsqueeze(0), None
+
+
+def _flash_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_length: int, scale: float
+) -> torch.Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = _varlen_parameters()
+    options: dict[str, Any] = {"scale": scale, "window_size": (-1, 0)}  # (-1, 0): causal
+    if k.shape[1] != q.shape[1]:  # grouped-query attention
+        if "enable_gqa" in params:
+            options["enable_gqa"] = True
+        else:  # torch < 2.12: the kernel wants as many key/value heads as query heads
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, **options)
+
+
+def _per_document(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Each document's causal attention with sdpa (CPU, or a dtype the flash kernel does not take)."""
+    bounds = cu_seqlens.tolist()
+    parts = []
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        if end == start:
+            continue
+        doc = [t[start:end].transpose(0, 1) for t in (q, k, v)]  # (H, n, D)
+        gqa = doc[1].shape[0] != doc[0].shape[0]
+        parts.append(F.scaled_dot_product_attention(*doc, is_causal=True, scale=scale, enable_gqa=gqa).transpose(0, 1))
+    return torch.cat(parts) if parts else q.new_zeros(q.shape)
