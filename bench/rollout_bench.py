@@ -344,12 +344,13 @@ def engine_args(args) -> dict:
     }
 
 
-def trace_phases(step: int, trace_dir: Path) -> None:
-    """``--trace-step N``: step N's update (``phases.update_models``) and step N+1's generation
-    (``phases.collect``) each under torch.profiler: a Chrome trace per phase in ``trace_dir`` and
+def trace_phases(step: int, trace_dir: Path, which: str = "update") -> None:
+    """``--trace-step N``: step N's update (``phases.update_models``) and/or (``which``: update, generate, both)
+    step N+1's generation (``phases.collect``), each under torch.profiler: a Chrome trace per phase in ``trace_dir`` and
     ``bench/step_trace.py``'s summary (GPU busy time, idle stretches, kernel time by kind) on stdout, each line
     starting with ``TRACE <phase>``. Two phases, two traces: the kernel shares of decoding and of the update do not
-    mix. Without overlap (with it, the round runs beside the update in the trace)."""
+    mix. Without overlap (with it, the round runs beside the update in the trace). The generation's trace is slow to
+    record (every decoding step's host side: a 7B round of 1,024 tokens ran past a 215 s case limit)."""
     import gzip
 
     import torch
@@ -382,8 +383,10 @@ def trace_phases(step: int, trace_dir: Path) -> None:
         return wrapper
 
     trace_dir.mkdir(parents=True, exist_ok=True)
-    phases.update_models = traced("update", step, phases.update_models)
-    phases.collect = traced("generate", step + 1, phases.collect)
+    if which in ("update", "both"):
+        phases.update_models = traced("update", step, phases.update_models)
+    if which in ("generate", "both"):
+        phases.collect = traced("generate", step + 1, phases.collect)
 
 
 def case_grpo(args, model_dir: Path) -> dict:
@@ -410,7 +413,7 @@ def case_grpo(args, model_dir: Path) -> dict:
 
     online.step = timed_step
     if args.trace_step is not None:
-        trace_phases(args.trace_step, Path(args.trace_dir or out))
+        trace_phases(args.trace_step, Path(args.trace_dir or out), args.trace_phase)
     if args.switch_us:  # :switchN: the overlap thread's decode loop and the update contend for the GIL
         sys.setswitchinterval(args.switch_us / 1e6)
     with PeakMemory() as memory:
@@ -787,10 +790,11 @@ def main() -> None:
         "--trace-step",
         type=int,
         default=None,
-        help="grpo runs: profile step N's update and step N+1's generation (torch.profiler; summaries on stdout as "
-        "TRACE lines, Chrome traces in --trace-dir)",
+        help="grpo runs: profile step N's update and/or step N+1's generation (--trace-phase; torch.profiler; "
+        "summaries on stdout as TRACE lines, Chrome traces in --trace-dir)",
     )
     parser.add_argument("--trace-dir", default=None, help="--trace-step: where the traces go (default: a temp dir)")
+    parser.add_argument("--trace-phase", default="update", choices=["update", "generate", "both"], help="--trace-step")
     args = parser.parse_args()
     if args.one:
         return run_one(args)
@@ -834,6 +838,7 @@ def main() -> None:
     passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keep]
     passthrough += [f"--trace-step={args.trace_step}"] if args.trace_step is not None else []
     passthrough += [f"--trace-dir={args.trace_dir}"] if args.trace_dir else []
+    passthrough += [f"--trace-phase={args.trace_phase}"]
     passthrough += ["--eager"] if args.eager else []
     if args.var_lengths:
         high = int(args.var_lengths.split(":")[1])
