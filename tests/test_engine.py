@@ -46,6 +46,44 @@ def test_packed_equals_padded_and_documents_do_not_attend_across():
     assert abs(float(leaky_loss) - float(padded_loss)) > 1e-3
 
 
+def test_sdpa_varlen_takes_one_packed_row_by_its_documents(monkeypatch):
+    """data.packing under ``model.attn_implementation: sdpa_varlen``: the whole micro-batch is one row that carries
+    its documents' boundaries; every layer's attention runs per document (CPU: sdpa's causal kernel each), and the
+    loss equals the padded one (float64: 1e-12 relative). The control: the same row with two documents given as one
+    boundary span changes the loss."""
+    from transformers import AutoModelForCausalLM
+
+    from rlfactory.config.schema import RunConfig
+    from rlfactory.model import attention
+
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(TINY_MODEL)))
+    name = attention.attention_implementation("sdpa_varlen")
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float64, attn_implementation=name).eval()
+    examples = load_examples(["arith_sft"], "sft", str(DATA_DIR), max_samples=6)
+    items = [render_sft(tokenizer, e["messages"])[0] for e in examples]
+    cfg = RunConfig.model_validate(
+        {"stage": "sft", "output_dir": "unused", "data": {"dataset": "arith_sft", "packing": True},
+         "model": {"name_or_path": str(TINY_MODEL), "attn_implementation": "sdpa_varlen"}}
+    )  # fmt: skip
+    row = sft.packed_collate(cfg, tokenizer.pad_token_id)(items)
+    lengths = [len(item["input_ids"]) for item in items]
+    assert row["input_ids"].shape == (1, sum(lengths)) and row["max_length_q"] == max(lengths)
+    assert row["cu_seq_lens_q"].tolist()[1:] == [sum(lengths[: i + 1]) for i in range(len(items))]
+    calls = []
+    inner = attention._per_document
+    monkeypatch.setattr(attention, "_per_document", lambda *a, **k: calls.append(1) or inner(*a, **k))
+    starts = row["cu_seq_lens_q"]
+    merged = {**row, "cu_seq_lens_q": torch.cat([starts[:1], starts[2:]])}  # documents 0 and 1 as one span
+    merged["cu_seq_lens_k"] = merged["cu_seq_lens_q"]
+    with torch.no_grad():
+        padded_loss, _ = sft.nll_sum(model, sft.collate_padded(tokenizer.pad_token_id)(items))
+        varlen_loss, _ = sft.nll_sum(model, row)
+        assert len(calls) == model.config.num_hidden_layers
+        merged_loss, _ = sft.nll_sum(model, merged)
+    assert abs(float(varlen_loss) - float(padded_loss)) <= 1e-12 * float(padded_loss)
+    assert abs(float(merged_loss) - float(padded_loss)) > 1e-3
+
+
 def test_packed_rows_equal_padded_with_several_documents_per_row():
     """sdpa / eager's layout (``collate_packed_rows``): documents first fit into rows no longer than the longest, so
     short ones share a row; the loss equals the padded loss, and every labelled token is trained once."""
@@ -114,7 +152,6 @@ def test_lora_under_autocast_saves_no_float32_copies_of_adapter_inputs():
     assert saved_bytes < plain_bytes, (saved_bytes, plain_bytes)
 
 
-
 def test_dora_with_gradient_checkpointing_recomputes_what_the_forward_saved():
     """DoRA on a bf16 model under bf16 autocast with gradient checkpointing (a 7B DoRA run on an H200 stopped with
     torch's "Recomputed values ... have different metadata"): the recompute inside the engine's ``backward`` casts
@@ -154,6 +191,7 @@ def test_dora_with_gradient_checkpointing_recomputes_what_the_forward_saved():
     assert plain.keys() == checkpointed.keys()
     for name, grad in plain.items():
         torch.testing.assert_close(checkpointed[name], grad, msg=name)
+
 
 def _run_in_process(cfg: dict) -> Path:
     config = validate_config(cfg, "test")

@@ -81,7 +81,10 @@ def test_a_packed_row_holds_exactly_the_real_tokens(batch):
     packed = _packed(batch, rows)
     inputs = packed.inputs(batch, torch.tensor(rows))
     expected = [t for i in rows for t in PROMPTS[i] + COMPLETIONS[i].token_ids]
-    assert inputs["input_ids"][0].tolist() == expected and set(inputs) == {"input_ids", "position_ids"}
+    assert inputs["input_ids"][0].tolist() == expected and "attention_mask" not in inputs
+    lengths = [len(PROMPTS[i]) + len(COMPLETIONS[i].token_ids) for i in rows]  # the boundaries the varlen kernels read
+    assert inputs["cu_seq_lens_q"].tolist() == inputs["cu_seq_lens_k"].tolist() == [0, 43, 47, 51, 180]
+    assert inputs["max_length_q"] == inputs["max_length_k"] == max(lengths) == 129
     assert inputs["position_ids"][0].tolist() == [
         p for i in rows for p in range(len(PROMPTS[i]) + len(COMPLETIONS[i].token_ids))
     ]

@@ -68,9 +68,9 @@ class ModelConfig(Section):
     )
     attn_implementation: Literal["sdpa", "sdpa_varlen", "eager", "flash_attention_2", "flex_attention"] = Field(
         "sdpa",
-        description="Attention kernel passed to transformers. sdpa_varlen: sdpa, except the ppo/grpo passes' packed "
-        "micro-batches (rollout.packing), which run as one row through torch's flash-attention varlen kernel "
-        "(torch >= 2.10, CUDA, bf16/fp16; each sample's causal attention only, where sdpa computes a packed row's "
+        description="Attention kernel passed to transformers. sdpa_varlen: sdpa, except packed micro-batches (sft's "
+        "data.packing, ppo/grpo's rollout.packing), which run as one row through torch's flash-attention varlen kernel "
+        "(torch >= 2.10, CUDA, bf16/fp16; each document's causal attention only, where sdpa computes a packed row's "
         "whole attention under a mask); like flash_attention_2 without the flash-attn package. Elsewhere it is sdpa.",
     )
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory (recompute activations).")

@@ -4,13 +4,17 @@ The one packing contract of every stage (sft's ``data.packing``, the online stag
 goes to the model with ``position_ids`` and WITHOUT an attention mask. transformers then finds the documents from
 the position ids (``masking_utils.find_packed_sequence_indices``) and builds a block-diagonal causal mask for
 sdpa / eager / flex attention, or passes them to flash-attention as varlen sequences, so a document never attends to
-another and computes exactly what it computes alone, at the cost of its own tokens only.
+another and computes exactly what it computes alone, at the cost of its own tokens only. A row that is a whole
+micro-batch also carries its documents' boundaries (``document_boundaries``): flash-attention and ``sdpa_varlen``
+(``model.attention``) take them as they are.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,7 +31,7 @@ ALIGN_COLUMNS = 8
 # one long row costs its length squared (the bundled model on CPU: 0.15-0.30x a padded update's speed); for them
 # the samples go into rows no longer than the longest sample (``first_fit``): 1.24-1.39x padded's speed there at
 # lengths 32..1024 and 16..256, 1.00x at nearly equal lengths (bench/packed_update.py)
-SPARSE_ATTENTION = ("flash_attention_2", "flex_attention")
+SPARSE_ATTENTION = ("flash_attention_2", "flex_attention", "sdpa_varlen")  # sdpa_varlen: with the boundaries
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -91,8 +95,25 @@ def document_positions(lengths: Sequence[int]) -> torch.Tensor:
     return torch.cat([torch.arange(n, dtype=torch.long) for n in lengths])
 
 
-def pack_sequences(sequences: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
-    """``input_ids`` and ``position_ids`` (1, N): ``sequences`` packed into one row (no attention mask: see above)."""
+# a packed row's documents as transformers' flash-attention path reads them from the forward's kwargs
+BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def document_boundaries(lengths: Sequence[int]) -> dict[str, Any]:
+    """``BOUNDARY_KEYS`` of one row of documents ``lengths`` long: where each starts ((n + 1,) int32, made on the
+    host: the kernels need not find them from the position ids on the device) and the longest."""
+    starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    longest = max(lengths, default=0)
+    return dict(zip(BOUNDARY_KEYS, (starts, starts, longest, longest), strict=True))
+
+
+def pack_sequences(sequences: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """``input_ids`` and ``position_ids`` (1, N): ``sequences`` packed into one row (no attention mask: see above),
+    with the documents' boundaries (``document_boundaries``)."""
     ids = [token for sequence in sequences for token in sequence]
-    positions = document_positions([len(sequence) for sequence in sequences])
-    return {"input_ids": torch.tensor([ids], dtype=torch.long), "position_ids": positions[None]}
+    lengths = [len(sequence) for sequence in sequences]
+    return {
+        "input_ids": torch.tensor([ids], dtype=torch.long),
+        "position_ids": document_positions(lengths)[None],
+        **document_boundaries(lengths),
+    }

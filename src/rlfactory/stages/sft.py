@@ -18,7 +18,14 @@ import torch
 
 from rlfactory.algos.common import HeadKernels
 from rlfactory.config.schema import RunConfig
-from rlfactory.data.packing import ALIGN_COLUMNS, SPARSE_ATTENTION, first_fit, pack_sequences, padded_width
+from rlfactory.data.packing import (
+    ALIGN_COLUMNS,
+    BOUNDARY_KEYS,
+    SPARSE_ATTENTION,
+    first_fit,
+    pack_sequences,
+    padded_width,
+)
 from rlfactory.engine.offline import Batch, StageParts, train
 from rlfactory.errors import UserError
 from rlfactory.render.chat import IGNORE_INDEX
@@ -161,7 +168,7 @@ def nll_sum(
     """
     from rlfactory.model.lm_head import nll_sum as head_nll_sum
 
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", *BOUNDARY_KEYS) if k in batch}
     loss_sum = head_nll_sum(model, inputs, batch["labels"], batch.get("target_rows"), kernels)
     n_tokens = count_tokens(batch).clamp(min=1)
     return loss_sum, {"nll_per_token": loss_sum.detach() / n_tokens}

@@ -66,8 +66,8 @@ def _updater(accelerator: Accelerator, model: Any, lr: float, cfg: RunConfig, up
 
 def packing_on(cfg: RunConfig) -> PackLayout:
     """``rollout.packing``: whether micro-batches run as padding-free rows (``update.PackedRows``), and how: one
-    row for a kernel in ``SPARSE_ATTENTION`` or ``sdpa_varlen`` (``model.attention``: the packed row's document
-    boundaries go with it), else rows as long as the longest sample (``update.PackLayout``).
+    row for a kernel in ``SPARSE_ATTENTION`` (the row's document boundaries go with it: ``PackedRows.inputs``), else
+    rows as long as the longest sample (``update.PackLayout``).
 
     Exact wherever the model builds its attention mask from the position ids when none is given: transformers' own
     models do for every ``model.attn_implementation`` (sdpa / eager / flex: a block-diagonal mask; flash-attention:
@@ -82,7 +82,7 @@ def packing_on(cfg: RunConfig) -> PackLayout:
         return None
     if setting == "off":
         return None
-    layout = "row" if model.attn_implementation in (*SPARSE_ATTENTION, "sdpa_varlen") else "rows"
+    layout = "row" if model.attn_implementation in SPARSE_ATTENTION else "rows"
     log.info("rollout.packing %s: micro-batches train as padding-free %s (their real tokens)", setting, layout)
     return layout
 

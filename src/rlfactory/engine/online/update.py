@@ -18,7 +18,6 @@ mini-batch, as on one process.
 
 from __future__ import annotations
 
-import itertools
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -38,7 +37,14 @@ from rlfactory.algos.common import (
     token_logprobs,
 )
 from rlfactory.config.schema import AlgorithmConfig
-from rlfactory.data.packing import ALIGN_COLUMNS, MicroBatching, first_fit, round_up
+from rlfactory.data.packing import (
+    ALIGN_COLUMNS,
+    BOUNDARY_KEYS,
+    MicroBatching,
+    document_boundaries,
+    first_fit,
+    round_up,
+)
 from rlfactory.engine.shared import NonFiniteGuard, autocast_forward, backward, clip_grad_norm
 from rlfactory.model.lm_head import final_hidden, lm_parts, select_rows
 from rlfactory.rollout.batch import RolloutBatch, response_logits
@@ -128,9 +134,7 @@ class PackedRows:
             positions.append(document_positions([lengths[i] for i in members] + ([tail] if tail else [])))
         cat = lambda parts: torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
         position_ids = torch.stack(positions) if positions else torch.zeros((1, 0), dtype=torch.long)
-        cu_seqlens = None
-        if layout != "rows" and lengths:
-            cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+        cu_seqlens = document_boundaries(lengths)["cu_seq_lens_q"] if layout != "rows" and lengths else None
         return cls(
             cat(gather), position_ids, cat(keep), cat(place), len(prompt), width, cu_seqlens, max(lengths, default=0)
         )
@@ -154,8 +158,8 @@ class PackedRows:
         ids = batch.input_ids[rows].reshape(-1)[self.gather].view(self.position_ids.shape)
         inputs: dict[str, Any] = {"input_ids": ids, "position_ids": self.position_ids}
         if self.cu_seqlens is not None:
-            inputs |= {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens}
-            inputs |= {"max_length_q": self.max_length, "max_length_k": self.max_length}
+            boundaries = (self.cu_seqlens, self.cu_seqlens, self.max_length, self.max_length)
+            inputs |= dict(zip(BOUNDARY_KEYS, boundaries, strict=True))
         return inputs
 
     def scatter(self, values: torch.Tensor, batch: Batch) -> torch.Tensor:
