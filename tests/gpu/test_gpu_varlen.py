@@ -52,7 +52,7 @@ def test_a_packed_row_through_compiled_varlen_layers_gives_the_padded_logprobs()
 
     config = Qwen2Config(
         vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.2,
+        num_key_value_heads=2, max_position_embeddings=2048,
     )  # fmt: skip
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").cuda().float()
