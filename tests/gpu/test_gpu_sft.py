@@ -11,11 +11,11 @@ from tests.conftest import DATA_DIR, TINY_MODEL, run_cli, write_yaml
 from rlfactory.engine.run_dir import read_log
 
 
-def _cfg(tmp_path: Path, finetuning: str, packing: bool) -> dict:
+def _cfg(tmp_path: Path, finetuning: str, packing: bool, attn: str = "sdpa") -> dict:
     return {
         "stage": "sft",
-        "output_dir": str(tmp_path / f"{finetuning}-{packing}"),
-        "model": {"name_or_path": str(TINY_MODEL), "finetuning": finetuning, "dtype": "auto"},
+        "output_dir": str(tmp_path / f"{finetuning}-{packing}-{attn}"),
+        "model": {"name_or_path": str(TINY_MODEL), "finetuning": finetuning, "dtype": "auto", "attn_implementation": attn},
         "data": {"dataset": "arith_sft", "eval_dataset": "arith_sft_eval", "dataset_dir": str(DATA_DIR),
                  "max_samples": 2000, "packing": packing},
         "lora": {"r": 8, "alpha": 16},
@@ -25,9 +25,12 @@ def _cfg(tmp_path: Path, finetuning: str, packing: bool) -> dict:
     }
 
 
-@pytest.mark.parametrize(("finetuning", "packing"), [("lora", False), ("full", True)])
-def test_bf16_sft_learns_on_gpu(tmp_path: Path, finetuning: str, packing: bool):
-    cfg = _cfg(tmp_path, finetuning, packing)
+@pytest.mark.parametrize(
+    ("finetuning", "packing", "attn"), [("lora", False, "sdpa"), ("full", True, "sdpa"), ("lora", True, "sdpa_varlen")]
+)
+def test_bf16_sft_learns_on_gpu(tmp_path: Path, finetuning: str, packing: bool, attn: str):
+    """sdpa_varlen: each micro-batch one packed row through torch's flash-attention varlen kernel."""
+    cfg = _cfg(tmp_path, finetuning, packing, attn)
     result = run_cli("train", str(write_yaml(tmp_path / "run.yaml", cfg)))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "mixed precision bf16" in result.stdout
