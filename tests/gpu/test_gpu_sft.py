@@ -15,7 +15,8 @@ def _cfg(tmp_path: Path, finetuning: str, packing: bool, attn: str = "sdpa") -> 
     return {
         "stage": "sft",
         "output_dir": str(tmp_path / f"{finetuning}-{packing}-{attn}"),
-        "model": {"name_or_path": str(TINY_MODEL), "finetuning": finetuning, "dtype": "auto", "attn_implementation": attn},
+        "model": {"name_or_path": str(TINY_MODEL), "finetuning": finetuning, "dtype": "auto",
+                  "attn_implementation": attn},
         "data": {"dataset": "arith_sft", "eval_dataset": "arith_sft_eval", "dataset_dir": str(DATA_DIR),
                  "max_samples": 2000, "packing": packing},
         "lora": {"r": 8, "alpha": 16},
