@@ -442,3 +442,32 @@ def test_sdpa_varlen_setting(tmp_path):
     loaded = load_model(cfg.model, cfg.lora, cfg.freeze)
     assert loaded.config._attn_implementation == "sdpa_varlen"
     assert varlen_kernel_problem() is None and environment_problems(cfg) == []
+
+
+def test_sdpa_varlen_on_a_torch_without_the_kernel_is_a_clear_environment_problem(tmp_path, monkeypatch):
+    """On a CUDA machine whose torch has no usable varlen kernel (torch 2.9's took no ``scale``), ``train`` refuses
+    the run before loading anything, naming the setting, the reason and the way out."""
+    import torch.nn.attention.varlen as varlen
+
+    from rlfactory.config.schema import RunConfig
+    from rlfactory.engine.environment import environment_problems
+    from rlfactory.model.attention import varlen_kernel_problem
+
+    def old_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False):  # 2.9's signature
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(varlen, "varlen_attn", old_varlen_attn)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = RunConfig.model_validate(
+        {
+            "stage": "grpo",
+            "output_dir": str(tmp_path / "out"),
+            "model": {"name_or_path": str(TINY_MODEL), "attn_implementation": "sdpa_varlen"},
+            "data": {"dataset": "arith_prompts"},
+            "reward": {"functions": {"answer_match": 1.0}},
+        }
+    )
+    assert "takes no scale (torch >= 2.10 does)" in varlen_kernel_problem()
+    (problem,) = [p for p in environment_problems(cfg) if "sdpa_varlen" in p]
+    assert problem.startswith("model.attn_implementation: sdpa_varlen needs torch's varlen kernel: torch ")
+    assert problem.endswith("; use sdpa")
