@@ -26,7 +26,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # torch < 2.9: varlen_kernel_problem says so
+    varlen_attn = None
+
 NAME = "sdpa_varlen"
+# set by register(), outside any compiled code (dynamo would break its graph on inspect or a cached call):
+_sdpa_forward: Any = None  # transformers' sdpa attention function, for every call that is not varlen
+_varlen_gqa = False  # this torch's varlen_attn takes enable_gqa (2.12+)
 
 
 def attention_implementation(name: str) -> str:
@@ -38,9 +46,13 @@ def attention_implementation(name: str) -> str:
 
 @functools.cache
 def register() -> None:
+    global _sdpa_forward, _varlen_gqa
     from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+    _sdpa_forward = sdpa_attention_forward
+    _varlen_gqa = varlen_attn is not None and "enable_gqa" in inspect.signature(varlen_attn).parameters
     AttentionInterface.register(NAME, varlen_attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)  # the calls that are not varlen need sdpa's masks
 
@@ -49,19 +61,14 @@ def varlen_kernel_problem() -> str | None:
     """Why this torch cannot run the varlen kernel on CUDA (None: it can). torch 2.10 added ``varlen_attn`` with
     ``scale`` and ``window_size``; 2.9's had neither."""
     try:
-        from torch.nn.attention.varlen import varlen_attn
+        from torch.nn.attention import varlen
     except ImportError:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen"
-    if "scale" not in inspect.signature(varlen_attn).parameters:
+    if getattr(varlen, "varlen_attn", None) is None:  # read at call time (a test replaces it)
+        return f"torch {torch.__version__} has no varlen_attn"
+    if "scale" not in inspect.signature(varlen.varlen_attn).parameters:
         return f"torch {torch.__version__}'s varlen_attn takes no scale (torch >= 2.10 does)"
     return None
-
-
-@functools.cache
-def _varlen_parameters() -> frozenset[str]:
-    from torch.nn.attention.varlen import varlen_attn
-
-    return frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def varlen_attention(
@@ -76,8 +83,6 @@ def varlen_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: (B, H, T, D) inputs, (B, T, H, D) output and no weights."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     plain = (
         cu_seqlens is None
@@ -88,9 +93,7 @@ def varlen_attention(
         or kwargs.get("softcap") is not None
     )
     if plain:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+        return _sdpa_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
     if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
@@ -104,12 +107,9 @@ def varlen_attention(
 def _flash_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_length: int, scale: float
 ) -> torch.Tensor:
-    from torch.nn.attention.varlen import varlen_attn
-
-    params = _varlen_parameters()
     options: dict[str, Any] = {"scale": scale, "window_size": (-1, 0)}  # (-1, 0): causal
     if k.shape[1] != q.shape[1]:  # grouped-query attention
-        if "enable_gqa" in params:
+        if _varlen_gqa:
             options["enable_gqa"] = True
         else:  # torch < 2.12: the kernel wants as many key/value heads as query heads
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
