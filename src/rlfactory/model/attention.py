@@ -95,7 +95,7 @@ def varlen_attention(
     if plain:
         return _sdpa_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
+    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # (T, H, D)
     if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
         # max_length_q as given (an int, or a symbolic one in a compiled layer: int() would specialize on it)
         out = _flash_varlen(q, k, v, cu_seqlens, kwargs["max_length_q"], scale)
