@@ -471,3 +471,17 @@ def test_sdpa_varlen_on_a_torch_without_the_kernel_is_a_clear_environment_proble
     (problem,) = [p for p in environment_problems(cfg) if "sdpa_varlen" in p]
     assert problem.startswith("model.attn_implementation: sdpa_varlen needs torch's varlen kernel: torch ")
     assert problem.endswith("; use sdpa")
+
+
+def test_sdpa_varlen_generates_what_sdpa_generates(model, varlen_model):
+    """The HF backend's generation (left-padded prompts, a KV cache, one query position per step) under sdpa_varlen
+    is sdpa's: the same greedy tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
+    tokenizer.padding_side = "left"
+    prompts = tokenizer(["What is 3 + 4?", "Compute 12 * 11, step by step"], return_tensors="pt", padding=True)
+    assert (prompts["attention_mask"] == 0).any()  # padding in the batch
+    sdpa = model.generate(**prompts, max_new_tokens=12, do_sample=False)
+    varlen = varlen_model.generate(**prompts, max_new_tokens=12, do_sample=False)
+    assert torch.equal(sdpa, varlen) and sdpa.shape[1] > prompts["input_ids"].shape[1]
