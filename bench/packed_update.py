@@ -107,6 +107,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sft", action="store_true", help="sft's collates and loss (documents of --lengths tokens)")
+    parser.add_argument(
+        "--compile", action="store_true", help="compile the layers as train.torch_compile does (engine.shared)"
+    )
     args = parser.parse_args()
     if args.sft:
         return sft_main(args)
@@ -117,6 +120,11 @@ def main() -> None:
 
     cuda = torch.cuda.is_available()
     model, vocab = build_model(args.shape, args.attn)
+    if args.compile:
+        from rlfactory.engine.shared import compile_layers, keep_layer_graphs_whole
+
+        compile_layers(model)
+        keep_layer_graphs_whole()
     device = next(model.parameters()).device
     batch, drawn = build_batch(args.samples, args.prompt, args.lengths, vocab, args.seed, device)
     rows = torch.arange(args.samples, device=device)
@@ -135,7 +143,8 @@ def main() -> None:
     times = time_alternated(model, loss, layouts, args.repeats)
     real = sum(prompt) + sum(response)
     print(
-        f"{args.shape}, {args.attn}, {'cuda' if cuda else 'cpu'}: {args.samples} samples, prompt {args.prompt}, "
+        f"{args.shape}, {args.attn}{' compiled' * args.compile}, {'cuda' if cuda else 'cpu'}: {args.samples} samples, "
+        f"prompt {args.prompt}, "
         f"responses {min(drawn)}..{max(drawn)} (mean {statistics.mean(drawn):.0f}); real tokens {real:,}"
     )
     n_rows = {name: args.samples if p is None else p.position_ids.shape[0] for name, p in packed.items()}
