@@ -420,16 +420,10 @@ def test_sdpa_varlen_updates_and_critic_give_the_padded_loss_and_gradients(model
     assert padded_values.abs().max() > 0
 
 
-def test_sdpa_varlen_setting(tmp_path):
-    """The loader registers the kernel with transformers; ppo/grpo then pack a micro-batch into one row; this torch
-    has the varlen kernel (so a CUDA machine with it gets no environment problem)."""
+def _varlen_grpo_config(tmp_path):
     from rlfactory.config.schema import RunConfig
-    from rlfactory.engine.environment import environment_problems
-    from rlfactory.engine.online.loop import packing_on
-    from rlfactory.model.attention import varlen_kernel_problem
-    from rlfactory.model.loader import load_model
 
-    cfg = RunConfig.model_validate(
+    return RunConfig.model_validate(
         {
             "stage": "grpo",
             "output_dir": str(tmp_path / "out"),
@@ -438,6 +432,17 @@ def test_sdpa_varlen_setting(tmp_path):
             "reward": {"functions": {"answer_match": 1.0}},
         }
     )
+
+
+def test_sdpa_varlen_setting(tmp_path):
+    """The loader registers the kernel with transformers; ppo/grpo then pack a micro-batch into one row; this torch
+    has the varlen kernel (so a CUDA machine with it gets no environment problem)."""
+    from rlfactory.engine.environment import environment_problems
+    from rlfactory.engine.online.loop import packing_on
+    from rlfactory.model.attention import varlen_kernel_problem
+    from rlfactory.model.loader import load_model
+
+    cfg = _varlen_grpo_config(tmp_path)
     assert packing_on(cfg) == "row"
     loaded = load_model(cfg.model, cfg.lora, cfg.freeze)
     assert loaded.config._attn_implementation == "sdpa_varlen"
@@ -449,7 +454,6 @@ def test_sdpa_varlen_on_a_torch_without_the_kernel_is_a_clear_environment_proble
     the run before loading anything, naming the setting, the reason and the way out."""
     import torch.nn.attention.varlen as varlen
 
-    from rlfactory.config.schema import RunConfig
     from rlfactory.engine.environment import environment_problems
     from rlfactory.model.attention import varlen_kernel_problem
 
@@ -458,15 +462,7 @@ def test_sdpa_varlen_on_a_torch_without_the_kernel_is_a_clear_environment_proble
 
     monkeypatch.setattr(varlen, "varlen_attn", old_varlen_attn)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    cfg = RunConfig.model_validate(
-        {
-            "stage": "grpo",
-            "output_dir": str(tmp_path / "out"),
-            "model": {"name_or_path": str(TINY_MODEL), "attn_implementation": "sdpa_varlen"},
-            "data": {"dataset": "arith_prompts"},
-            "reward": {"functions": {"answer_match": 1.0}},
-        }
-    )
+    cfg = _varlen_grpo_config(tmp_path)
     assert "takes no scale (torch >= 2.10 does)" in varlen_kernel_problem()
     (problem,) = [p for p in environment_problems(cfg) if "sdpa_varlen" in p]
     assert problem.startswith("model.attn_implementation: sdpa_varlen needs torch's varlen kernel: torch ")

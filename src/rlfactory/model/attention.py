@@ -5,12 +5,12 @@ Why: a packed row under sdpa goes to the model with a block-diagonal mask built 
 masked kernel (the memory-efficient one) computes every block of the row's attention, masked or not. In a 7B GRPO
 update on an H200 that kernel took 22% of the GPU's time (docs/BENCHMARKS.md, twenty-sixth session), rows being as
 long as the longest sample. The varlen kernel computes each document's causal triangle only, so the online stages'
-passes can pack a whole micro-batch into ONE row (``update.PackLayout`` "row") at the cost of its real tokens.
+passes can pack a whole micro-batch into ONE row (``packed_rows.PackLayout`` "row") at the cost of its real tokens.
 ``flash_attention_2`` does the same but needs the flash-attn package (a CUDA build per torch version); this needs
 torch alone.
 
 Registered with transformers' ``AttentionInterface`` (its documented way to add a kernel) under ``sdpa_varlen``,
-with sdpa's mask function: a call that carries ``cu_seq_lens_q`` (``update.PackedRows.inputs`` passes them, the
+with sdpa's mask function: a call that carries ``cu_seq_lens_q`` (``packed_rows.PackedRows.inputs`` passes them, the
 names transformers' flash-attention path reads) runs varlen and ignores the mask; every other call (padded rows,
 generation with a cache, sliding windows, dropout, a full-precision model) is transformers' sdpa, unchanged.
 On CPU (no flash kernel) the varlen call runs sdpa's causal kernel once per document: the same numbers, used by the

@@ -65,9 +65,9 @@ def _updater(accelerator: Accelerator, model: Any, lr: float, cfg: RunConfig, up
 
 
 def packing_on(cfg: RunConfig) -> PackLayout:
-    """``rollout.packing``: whether micro-batches run as padding-free rows (``update.PackedRows``), and how: one
+    """``rollout.packing``: whether micro-batches run as padding-free rows (``packed_rows.PackedRows``), and how: one
     row for a kernel in ``SPARSE_ATTENTION`` (the row's document boundaries go with it: ``PackedRows.inputs``), else
-    rows as long as the longest sample (``update.PackLayout``).
+    rows as long as the longest sample (``packed_rows.PackLayout``).
 
     Exact wherever the model builds its attention mask from the position ids when none is given: transformers' own
     models do for every ``model.attn_implementation`` (sdpa / eager / flex: a block-diagonal mask; flash-attention:
