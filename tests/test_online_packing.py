@@ -449,6 +449,43 @@ def test_sdpa_varlen_setting(tmp_path):
     assert varlen_kernel_problem() is None and environment_problems(cfg) == []
 
 
+def test_auto_attention_is_sdpa_varlen_where_the_kernel_runs_and_sdpa_elsewhere(tmp_path, monkeypatch):
+    """``model.attn_implementation: auto`` (the default): sdpa_varlen on a CUDA machine whose torch has the kernel,
+    for a model with transformers' own code; sdpa on a CPU, for remote code, and on a torch without the kernel,
+    where it is no environment problem (an explicit sdpa_varlen is one: the test above). Explicit names stay."""
+    import torch.nn.attention.varlen as varlen
+
+    from rlfactory.config.schema import RunConfig
+    from rlfactory.engine.environment import environment_problems
+    from rlfactory.engine.online.loop import packing_on
+    from rlfactory.model.attention import resolved_attention
+    from rlfactory.model.loader import load_model
+
+    def cfg(**model) -> RunConfig:
+        return RunConfig.model_validate(
+            {
+                "stage": "grpo",
+                "output_dir": str(tmp_path / "out"),
+                "model": {"name_or_path": str(TINY_MODEL), **model},
+                "data": {"dataset": "arith_prompts"},
+                "reward": {"functions": {"answer_match": 1.0}},
+            }
+        )
+
+    default = cfg()
+    assert default.model.attn_implementation == "auto"
+    assert resolved_attention(default.model) == "sdpa" and packing_on(default) == "rows"  # this CPU machine
+    assert load_model(default.model, default.lora, default.freeze).config._attn_implementation == "sdpa"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolved_attention(default.model) == "sdpa_varlen" and packing_on(default) == "row"
+    assert resolved_attention(cfg(trust_remote_code=True).model) == "sdpa"
+    for name in ("sdpa", "eager", "flash_attention_2", "sdpa_varlen"):
+        assert resolved_attention(cfg(attn_implementation=name).model) == name
+    monkeypatch.setattr(varlen, "varlen_attn", lambda query, key, value, cu_seq_q, cu_seq_k, max_q, max_k: None)
+    assert resolved_attention(default.model) == "sdpa"  # torch 2.9's kernel: no scale
+    assert not [p for p in environment_problems(default) if "attn_implementation" in p]
+
+
 def test_sdpa_varlen_on_a_torch_without_the_kernel_is_a_clear_environment_problem(tmp_path, monkeypatch):
     """On a CUDA machine whose torch has no usable varlen kernel (torch 2.9's took no ``scale``), ``train`` refuses
     the run before loading anything, naming the setting, the reason and the way out."""

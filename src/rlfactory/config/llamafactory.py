@@ -46,7 +46,7 @@ KEY_RULES: dict[str, Rule] = {
     "trust_remote_code": rules.to("model.trust_remote_code"),
     "flash_attn": rules.choice(
         "model.attn_implementation",
-        {"auto": "sdpa", "sdpa": "sdpa", "disabled": "eager", "fa2": "flash_attention_2"},
+        {"auto": "auto", "sdpa": "sdpa", "disabled": "eager", "fa2": "flash_attention_2"},
         "auto, sdpa, disabled, fa2",
     ),
     "enable_liger_kernel": rules.choice("model.liger_kernel", {True: "on", False: "off"}, "true or false"),

@@ -66,9 +66,11 @@ class ModelConfig(Section):
         description="Weight dtype. auto: bfloat16 for LoRA on a GPU that supports it, else float32 "
         "(full/freeze keep fp32 master weights and train under bf16 autocast on GPU).",
     )
-    attn_implementation: Literal["sdpa", "sdpa_varlen", "eager", "flash_attention_2", "flex_attention"] = Field(
-        "sdpa",
-        description="Attention kernel passed to transformers. sdpa_varlen: sdpa, except packed micro-batches (sft's "
+    attn_implementation: Literal["auto", "sdpa", "sdpa_varlen", "eager", "flash_attention_2", "flex_attention"] = Field(
+        "auto",
+        description="Attention kernel passed to transformers. auto: sdpa_varlen on a CUDA GPU whose torch has the "
+        "varlen kernel (a model with transformers' own code), else sdpa. sdpa_varlen: sdpa, except packed "
+        "micro-batches (sft's "
         "data.packing, ppo/grpo's rollout.packing), which run as one row through torch's flash-attention varlen kernel "
         "(torch >= 2.10, CUDA, bf16/fp16; each document's causal attention only, where sdpa computes a packed row's "
         "whole attention under a mask); like flash_attention_2 without the flash-attn package. Elsewhere it is sdpa.",

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any
+import logging
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -31,14 +32,39 @@ try:
 except ImportError:  # torch < 2.9: varlen_kernel_problem says so
     varlen_attn = None
 
+if TYPE_CHECKING:
+    from rlfactory.config.model_schema import ModelConfig
+
+log = logging.getLogger(__name__)
 NAME = "sdpa_varlen"
 # set by register(), outside any compiled code (dynamo would break its graph on inspect or a cached call):
 _sdpa_forward: Any = None  # transformers' sdpa attention function, for every call that is not varlen
 _varlen_gqa = False  # this torch's varlen_attn has an enable_gqa switch (2.12+)
 
 
+def resolved_attention(model_cfg: ModelConfig) -> str:
+    """``model.attn_implementation`` with ``auto`` settled for this machine: ``sdpa_varlen`` on a CUDA GPU whose torch
+    has the varlen kernel, for a model with transformers' own code; else ``sdpa``. Why varlen by default: it is sdpa
+    for every call but a packed row, and a packed row through it is what made the 7B GRPO update 1.26x faster with
+    10 GB less memory on an H200 (docs/BENCHMARKS.md, twenty-seventh session). A model with its own code
+    (``trust_remote_code``) may not call transformers' attention interface, so it keeps sdpa."""
+    name = model_cfg.attn_implementation
+    if name != "auto":
+        return name
+    if model_cfg.trust_remote_code or not torch.cuda.is_available() or varlen_kernel_problem() is not None:
+        return _settled("sdpa")
+    return _settled(NAME)
+
+
+@functools.cache
+def _settled(name: str) -> str:
+    log.info("model.attn_implementation auto: %s", name)  # once per run, however often it is asked
+    return name
+
+
 def attention_implementation(name: str) -> str:
-    """``model.attn_implementation`` as transformers takes it: ``sdpa_varlen`` is registered first."""
+    """An attention name as transformers takes it (``auto`` settled first: :func:`resolved_attention`):
+    ``sdpa_varlen`` is registered first."""
     if name == NAME:
         register()
     return name

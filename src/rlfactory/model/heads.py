@@ -34,7 +34,7 @@ def load_reward_model_for_training(cfg: RunConfig, pad_token_id: int) -> Any:
     """Base LM + a fresh 1-output score head, with LoRA (head trained in full), freeze or full fine-tuning."""
     from transformers import AutoModelForSequenceClassification
 
-    from rlfactory.model.attention import attention_implementation
+    from rlfactory.model.attention import attention_implementation, resolved_attention
 
     path = str(cfg.model.name_or_path)
     check_model_exists(path)
@@ -44,7 +44,7 @@ def load_reward_model_for_training(cfg: RunConfig, pad_token_id: int) -> Any:
             num_labels=1,
             pad_token_id=pad_token_id,
             dtype=resolve_dtype(cfg.model.dtype),
-            attn_implementation=attention_implementation(cfg.model.attn_implementation),
+            attn_implementation=attention_implementation(resolved_attention(cfg.model)),
             trust_remote_code=cfg.model.trust_remote_code,
         )
     except (OSError, ValueError) as exc:

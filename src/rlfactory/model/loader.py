@@ -170,13 +170,13 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM
 
-    from rlfactory.model.attention import attention_implementation
+    from rlfactory.model.attention import attention_implementation, resolved_attention
 
     path = str(cfg.name_or_path)
     check_model_paths(cfg)
     options = {
         "dtype": resolve_dtype(cfg.dtype, cfg.finetuning if trainable else "lora"),
-        "attn_implementation": attention_implementation(cfg.attn_implementation),
+        "attn_implementation": attention_implementation(resolved_attention(cfg)),
         "trust_remote_code": cfg.trust_remote_code,
         **quantized_loading(cfg),  # a 4-bit base's dtype is its compute dtype
     }

@@ -28,6 +28,7 @@ from rlfactory.data.packing import (
 )
 from rlfactory.engine.offline import Batch, StageParts, train
 from rlfactory.errors import UserError
+from rlfactory.model.attention import resolved_attention
 from rlfactory.render.chat import IGNORE_INDEX
 from rlfactory.render.fit import FitCounts
 from rlfactory.render.plain import tokenizer_for
@@ -121,7 +122,7 @@ def collate_packed(items: list[dict[str, list[int]]]) -> Batch:
 def packed_collate(cfg: RunConfig, pad_id: int):
     """data.packing's layout: one row per micro-batch where the attention kernel skips masked blocks (flash, flex),
     rows no longer than the longest document for sdpa / eager."""
-    if cfg.model.attn_implementation in SPARSE_ATTENTION:
+    if resolved_attention(cfg.model) in SPARSE_ATTENTION:
         return collate_packed
     return collate_packed_rows(pad_id, ALIGN_COLUMNS, cfg.data.cutoff_len)
 

@@ -34,6 +34,7 @@ from rlfactory.engine.online.phases import LoopState, Run, step, sync_sampler, t
 from rlfactory.engine.online.ranks import Ranks
 from rlfactory.engine.online.update import PackLayout, Updater
 from rlfactory.errors import RunStopped, UserError
+from rlfactory.model.attention import resolved_attention
 from rlfactory.rewards.stack import FailureStreaks, RewardStack, score_metrics
 from rlfactory.rollout.agent import build_rollouts, episode_metrics
 from rlfactory.rollout.base import SamplingParams
@@ -82,7 +83,7 @@ def packing_on(cfg: RunConfig) -> PackLayout:
         return None
     if setting == "off":
         return None
-    layout = "row" if model.attn_implementation in SPARSE_ATTENTION else "rows"
+    layout = "row" if resolved_attention(model) in SPARSE_ATTENTION else "rows"
     log.info("rollout.packing %s: micro-batches train as padding-free %s (their real tokens)", setting, layout)
     return layout
 
