@@ -189,6 +189,8 @@ def _setup_logging() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     for noisy in ("transformers", "accelerate", "datasets", "httpx", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if os.environ.get("RANK", "0") != "0":  # a launched process past the first: rank 0 says what every rank would
+        logging.getLogger("rlfactory").setLevel(logging.WARNING)  # (once, not once per process); warnings stay
 
 
 def cmd_train(args: argparse.Namespace) -> int:
