@@ -200,3 +200,15 @@ def test_qlora_without_cuda_or_bitsandbytes_is_one_clear_error(tmp_path, sft_con
     assert check.returncode == 0, check.stderr
     assert "[sft] warning: on this machine, model.quantization: QLoRA needs a CUDA GPU and bitsandbytes" in check.stdout
     assert (ROOT / "examples/sft/qwen2.5_7b_qlora.yaml").read_text().count("quantization:") == 1
+
+
+def test_wrapping_in_lora_shows_the_user_no_library_deprecation():
+    """peft 0.21 reads transformers 5's deprecated ``is_gradient_checkpointing`` when it wraps a model (a
+    FutureWarning per process that no setting of ours or the user's can remove); the loader keeps it out of the
+    run's output."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_model(ModelConfig(name_or_path=str(TINY_MODEL)), LoraConfig(), FreezeConfig())
+    assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]

@@ -381,10 +381,14 @@ def wrap_lora(model: Any, peft_config: Any, lora: LoraConfig) -> Any:
     """get_peft_model; for an initialisation that changes the base (pissa, olora) the initial adapter is saved
     aside, so ``save_model`` can convert the trained one into a plain LoRA on the original base (peft's
     ``path_initial_model_for_weight_conversion``): without it the saved adapter only fits the residual base."""
+    import warnings
+
     from peft import get_peft_model
 
     try:
-        model = get_peft_model(model, peft_config)
+        with warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated name; nothing a user can act on
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            model = get_peft_model(model, peft_config)
     except (ValueError, NotImplementedError) as exc:
         raise UserError(f"lora: {first_line(exc)}") from None
     if lora.changes_base():
