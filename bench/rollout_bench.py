@@ -135,7 +135,19 @@ class StepClock:
         now = time.perf_counter()
         if self.last is not None:
             self.intervals.append(now - self.last)
+            if os.environ.get("RANK", "0") == "0":  # one line per step, for a case that is stopped later
+                print(f"STEP {len(self.intervals)} {self.intervals[-1]:.4f}", flush=True)
         self.last = now
+
+
+def timed_out_steps(stdout: str, warmup: int) -> dict | None:
+    """What a case stopped at its timeout had measured: the ``STEP`` lines its clock printed, and the median of those
+    past ``warmup`` (None: no step past the warmup). Not a ratio: the case's other numbers were never printed."""
+    intervals = [float(line.split()[2]) for line in stdout.splitlines() if line.startswith("STEP ")]
+    steady = intervals[warmup:]
+    if not steady:
+        return None
+    return {"partial_steps": len(steady), "partial_step_s": round(_median(steady), 4), "intervals_s": intervals}
 
 
 def draw_max_tokens(low: int, high: int, seed: int):
@@ -869,6 +881,7 @@ def main() -> None:
         lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
         if not lines:
             result = {"run": extra, "error": stderr[-2500:], "wall_s": wall}
+            result.update(timed_out_steps(stdout, args.warmup) or {})
         else:  # a case that printed its result and then failed or hung on its way out still counts, marked
             result = {**json.loads(lines[-1].removeprefix("RESULT ")), "wall_s": wall}
             result.update({"exit_after_result": code, "stderr_tail": stderr[-600:]} if code != 0 else {})
@@ -879,6 +892,13 @@ def main() -> None:
             with open(args.out, "a") as f:
                 f.write(json.dumps(result) + "\n")
     print(table([r for r in results if "error" not in r]), flush=True)
+    for r in results:
+        if "partial_step_s" in r:  # stopped before its result: its steady steps so far, to size the next call
+            print(
+                f"stopped: {' '.join(r['run'])}: {r['partial_steps']} steps past the warmup, median "
+                f"{r['partial_step_s']} s (intervals {r['intervals_s']})",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

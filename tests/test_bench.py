@@ -38,6 +38,25 @@ def test_a_case_past_its_timeout_is_reported_with_its_output(bench):
     assert bench.run_case([sys.executable, "-c", "print('ok')"], timeout=30) == ("ok\n", "", 0)
 
 
+def test_a_case_stopped_at_its_timeout_keeps_the_steps_it_measured(bench, capsys):
+    """The step clock prints one line per step, so a case stopped by its timeout still tells the steady step time it
+    had reached (the median past the warmup), or nothing when it never got past the warmup."""
+    clock = bench.StepClock()
+    clock.start()
+    for _ in range(4):
+        clock.tick()
+    printed = capsys.readouterr().out
+    assert [line.split()[:2] for line in printed.splitlines()] == [["STEP", str(i)] for i in range(1, 5)]
+    stdout = "noise\nSTEP 1 9.0\nSTEP 2 3.0\nwarn\nSTEP 3 2.5\nSTEP 4 2.7\nSTEP 5 2.6\n"
+    assert bench.timed_out_steps(stdout, warmup=2) == {
+        "partial_steps": 3,
+        "partial_step_s": 2.6,
+        "intervals_s": [9.0, 3.0, 2.5, 2.7, 2.6],
+    }
+    assert bench.timed_out_steps("STEP 1 9.0\nSTEP 2 3.0\n", warmup=2) is None
+    assert bench.timed_out_steps("", warmup=0) is None
+
+
 def test_a_budget_cuts_the_last_cases_instead_of_the_whole_call(bench):
     assert bench.case_limit(150, budget=0, elapsed=900) == 150  # no budget: every case its own timeout
     assert bench.case_limit(150, budget=500, elapsed=100) == 150
