@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 from dataclasses import replace
 
 import pytest
@@ -481,6 +482,17 @@ def test_auto_attention_is_sdpa_varlen_where_the_kernel_runs_and_sdpa_elsewhere(
     assert resolved_attention(cfg(trust_remote_code=True).model) == "sdpa"
     for name in ("sdpa", "eager", "flash_attention_2", "sdpa_varlen"):
         assert resolved_attention(cfg(attn_implementation=name).model) == name
+    # a model some of whose calls would leave the kernel for sdpa over the whole row keeps sdpa's rows
+    config = json.loads((TINY_MODEL / "config.json").read_text())
+    changes = {
+        "windowed": {"layer_types": ["full_attention", "sliding_attention"] * 2, "sliding_window": 64},
+        "softcapped": {"attn_logit_softcapping": 50.0},
+        "dropout": {"attention_dropout": 0.1},
+    }
+    for name, change in changes.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**config, **change}))
+        assert resolved_attention(cfg(name_or_path=str(tmp_path / name)).model) == "sdpa", name
     monkeypatch.setattr(varlen, "varlen_attn", lambda query, key, value, cu_seq_q, cu_seq_k, max_q, max_k: None)
     assert resolved_attention(default.model) == "sdpa"  # torch 2.9's kernel: no scale
     assert not [p for p in environment_problems(default) if "attn_implementation" in p]

@@ -44,16 +44,42 @@ _varlen_gqa = False  # this torch's varlen_attn has an enable_gqa switch (2.12+)
 
 def resolved_attention(model_cfg: ModelConfig) -> str:
     """``model.attn_implementation`` with ``auto`` settled for this machine: ``sdpa_varlen`` on a CUDA GPU whose torch
-    has the varlen kernel, for a model with transformers' own code; else ``sdpa``. Why varlen by default: it is sdpa
-    for every call but a packed row, and a packed row through it is what made the 7B GRPO update 1.26x faster with
-    10 GB less memory on an H200 (docs/BENCHMARKS.md, twenty-seventh session). A model with its own code
-    (``trust_remote_code``) may not call transformers' attention interface, so it keeps sdpa."""
+    has the varlen kernel, for a model with transformers' own code whose every layer takes it; else ``sdpa``.
+
+    Why varlen by default: it is sdpa for every call but a packed row, and a packed row through it is what made the
+    7B GRPO update 1.26x faster with 10 GB less memory on an H200 (docs/BENCHMARKS.md, twenty-seventh session). A
+    model with its own code (``trust_remote_code``) may not call transformers' attention interface, so it keeps
+    sdpa."""
     name = model_cfg.attn_implementation
     if name != "auto":
         return name
     if model_cfg.trust_remote_code or not torch.cuda.is_available() or varlen_kernel_problem() is not None:
         return _settled("sdpa")
-    return _settled(NAME)
+    return _settled(NAME if _every_layer_takes_varlen(str(model_cfg.name_or_path)) else "sdpa")
+
+
+@functools.cache
+def _every_layer_takes_varlen(path: str) -> bool:
+    """Whether every layer's packed row would reach the varlen kernel. A sliding-window layer, softcapped logits or
+    attention dropout send the call to sdpa (``varlen_attention``), and sdpa over one packed row computes the whole
+    row under a mask: 0.26x the padded speed on an H200 (docs/BENCHMARKS.md). Such a model keeps sdpa and its
+    rows as long as the longest sample; so does one whose config cannot be read here."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path).get_text_config()
+    except (OSError, ValueError, KeyError):
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        windowed = any(kind != "full_attention" for kind in layer_types)
+    else:
+        windowed = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    return not (
+        windowed
+        or getattr(config, "attn_logit_softcapping", None) is not None
+        or (getattr(config, "attention_dropout", 0.0) or 0.0) > 0.0
+    )
 
 
 @functools.cache
