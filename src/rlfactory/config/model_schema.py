@@ -70,9 +70,8 @@ class ModelConfig(Section):
         "auto",
         description="Attention kernel passed to transformers. auto: sdpa_varlen on a CUDA GPU whose torch has the "
         "varlen kernel (a model with transformers' own code and no sliding-window layers, softcapping or attention "
-        "dropout), else sdpa. sdpa_varlen: sdpa, except packed "
-        "micro-batches (sft's "
-        "data.packing, ppo/grpo's rollout.packing), which run as one row through torch's flash-attention varlen kernel "
+        "dropout), else sdpa. sdpa_varlen: sdpa, except packed micro-batches (sft's data.packing, ppo/grpo's "
+        "rollout.packing), which run as one row through torch's flash-attention varlen kernel "
         "(torch >= 2.10, CUDA, bf16/fp16; each document's causal attention only, where sdpa computes a packed row's "
         "whole attention under a mask); like flash_attention_2 without the flash-attn package. Elsewhere it is sdpa.",
     )
