@@ -6,7 +6,7 @@
 #   NPROC=4 STAGES="sft dpo" STRATEGIES="zero3 fsdp2" bash bench/quickstart_call.sh
 #   NPROC=2 STAGES="sft grpo" SHARDED= STEPS=2 bash bench/quickstart_call.sh     # CPU smoke (gloo, ddp only)
 #
-# Each run: `rlfactory train examples/quickstart/<stage>.yaml distributed.num_processes=$NPROC train.max_steps=$STEPS`
+# Each run: `rlfactory train examples/quickstart/<stage>.yaml (ppo: examples/ppo/tiny_arith.yaml) distributed.num_processes=$NPROC train.max_steps=$STEPS`
 # into its own output dir, stopped after $RUN_TIMEOUT s. A run passes when it exits 0, its output shows one start
 # banner and one "saved ... model" line (one writer), and the output dir holds a model (config.json, or
 # adapter_config.json for LoRA). One RESULT line per run (JSON) and a summary table; logs in $OUT/<run>.log.
@@ -14,7 +14,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 NPROC=${NPROC:-2}
-STAGES=${STAGES:-sft dpo kto orpo rm pt grpo}
+STAGES=${STAGES:-sft dpo kto orpo rm pt grpo ppo}
 STRATEGIES=${STRATEGIES:-ddp}       # for every stage
 SHARDED=${SHARDED-sft dpo}          # these stages also run under zero2, zero3 and fsdp2 (GPUs only)
 STEPS=${STEPS:-20}
@@ -44,7 +44,9 @@ run() {  # run <stage> <strategy>
   [[ $stage == sft || $stage == dpo || $stage == kto || $stage == orpo || $stage == rm || $stage == pt ]] \
     && extra+=(evaluation.max_samples=32)
   local start=$SECONDS
-  timeout "$RUN_TIMEOUT" $PY -m rlfactory train "examples/quickstart/$stage.yaml" "output_dir=$dir" \
+  local yaml="examples/quickstart/$stage.yaml"
+  [[ -f $yaml ]] || yaml="examples/$stage/tiny_arith.yaml"  # ppo has no quickstart file: its tiny-model example
+  timeout "$RUN_TIMEOUT" $PY -m rlfactory train "$yaml" "output_dir=$dir" \
     "distributed.num_processes=$NPROC" "distributed.strategy=$strategy" "train.max_steps=$STEPS" "${extra[@]}" \
     > "$log" 2>&1
   local code=$? seconds=$((SECONDS - start))
