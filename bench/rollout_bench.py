@@ -410,6 +410,7 @@ def case_grpo(args, model_dir: Path) -> dict:
     from rlfactory.engine.environment import online_allocator_setting
     from rlfactory.engine.online import loop as online
     from rlfactory.engine.run_dir import read_log
+    from rlfactory.model.attention import resolved_attention
 
     out = Path(tempfile.mkdtemp())
     cfg = _grpo_cfg(args, model_dir, out / "run", args.impl, args.sync, args.sleep)
@@ -452,6 +453,7 @@ def case_grpo(args, model_dir: Path) -> dict:
         "overlap": args.overlap,
         "flex": args.flex,
         "varlen": args.varlen,
+        "attention": resolved_attention(RunConfig.model_validate(cfg).model),  # what `auto` (the default) became
         "padded": args.padded,
         "mismatch_every": args.mismatch_every,
         "micro_batch_tokens": args.micro_tokens,

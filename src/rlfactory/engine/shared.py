@@ -122,6 +122,10 @@ def build_accelerator(cfg: RunConfig) -> Accelerator:
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
 
+    if not torch.cuda.is_available():
+        # DeepSpeed, when installed, is imported by Accelerate (unwrap_model) even when no strategy uses it, and then
+        # warns from every process that it "was unable to detect" a GPU; on a CPU machine there is none to detect
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     trackers = [t for t in cfg.logging.report_to if t != "none"]
     for tracker in trackers:
         if importlib.util.find_spec("tensorboard" if tracker == "tensorboard" else tracker) is None:
