@@ -148,3 +148,27 @@ def test_an_input_error_on_another_rank_is_printed_once_by_whoever_can(
     monkeypatch.setenv("RANK", "0")
     assert cli.main(["train", str(missing)]) == 143
     assert capsys.readouterr().err == "stopped: SIGTERM at step 3: saved checkpoint-3\n"
+
+
+def test_library_notices_a_user_cannot_act_on_are_not_printed():
+    """transformers' deprecation of ``config.use_return_dict`` (read by Liger's patched forward, printed by every
+    process) and torch's barrier advice are dropped once the CLI has set up its logging; without it they print."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, warnings\n"
+        "from rlfactory import cli\n"
+        "if sys.argv[1] == 'quiet': cli._setup_logging()\n"
+        "from transformers import PretrainedConfig\n"
+        "PretrainedConfig().use_return_dict\n"
+        "warnings.warn('barrier(): using the device under current context. You can specify `device_id`')\n"
+    )
+    said = {
+        mode: subprocess.run(
+            [sys.executable, "-c", probe, mode], capture_output=True, text=True, timeout=120, cwd=ROOT
+        ).stderr
+        for mode in ("quiet", "plain")
+    }
+    assert "use_return_dict" in said["plain"] and "barrier()" in said["plain"], said["plain"]
+    assert "use_return_dict" not in said["quiet"] and "barrier()" not in said["quiet"], said["quiet"]

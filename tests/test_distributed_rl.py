@@ -127,9 +127,10 @@ NOT_COMPARED = ("timing_s/", "perf/", "elapsed_s", "eta_s")  # wall time and mem
 
 def test_two_process_grpo_run_writes_once_logs_as_one_process_and_resumes_after_kill_9(tmp_path: Path):
     one, two, killed = tmp_path / "one", tmp_path / "two", tmp_path / "killed"
-    train(grpo_config(one), tmp_path, processes=1)
+    alone = train(grpo_config(one), tmp_path, processes=1).stderr
     result = train(grpo_config(two), tmp_path)
     said = result.stderr
+    assert said.count("Loading weights") == alone.count("Loading weights") > 0  # rank 0's progress bars only
     # rank 0 logs what every rank would, once (the packing choice is made on every rank); the other ranks warn only
     assert said.count("INFO rlfactory.engine.online.loop: rollout.packing auto:") == 1, said[-3000:]
     # nor does DeepSpeed (installed, unused, imported by Accelerate) say per process that it found no GPU

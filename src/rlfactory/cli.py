@@ -187,10 +187,28 @@ def _setup_logging() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # idle OpenMP threads spin by default; on a busy CPU that made generation 20x slower (measured here)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    for noisy in ("transformers", "accelerate", "datasets", "httpx", "matplotlib"):
+    for noisy in ("transformers", "accelerate", "datasets", "httpx", "matplotlib", "liger_kernel"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    _quiet_library_notices()
     if os.environ.get("RANK", "0") != "0":  # a launched process past the first: rank 0 says what every rank would
         logging.getLogger("rlfactory").setLevel(logging.WARNING)  # (once, not once per process); warnings stay
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' "Loading weights", datasets' maps
+
+
+def _drop_use_return_dict(record: logging.LogRecord) -> bool:
+    return "`use_return_dict` is deprecated" not in record.getMessage()
+
+
+def _quiet_library_notices() -> None:
+    """Silence what libraries print, once per process, that a user of ours can neither act on nor needs: Liger's note
+    that its optional CuTe-DSL / Ascend backends cannot be imported (the Triton kernels run), transformers' deprecation
+    of the ``config.use_return_dict`` that Liger's patched forward reads, and torch's advice, at every barrier of a
+    launched run, to pass ``device_id`` to ``init_process_group`` (Accelerate creates the group)."""
+    import warnings
+
+    logging.getLogger("liger_kernel.backends.registry").setLevel(logging.ERROR)
+    logging.getLogger("transformers.configuration_utils").addFilter(_drop_use_return_dict)
+    warnings.filterwarnings("ignore", message=r"barrier\(\): using the device under current context")
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -94,7 +94,9 @@ def apply_online_allocator_setting(cfg: RunConfig) -> str | None:
     setting = online_allocator_setting(cfg, dict(os.environ))
     if setting is None or not torch.cuda.is_available():
         return None
-    torch.cuda.memory._set_allocator_settings(setting)  # what PYTORCH_CUDA_ALLOC_CONF sets, after torch's import
+    # what PYTORCH_CUDA_ALLOC_CONF sets, after torch's import (torch >= 2.10 deprecates the torch.cuda spelling)
+    set_allocator = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    (set_allocator or torch.cuda.memory._set_allocator_settings)(setting)
     logging.getLogger(__name__).info(
         "CUDA allocator: %s (the online stages' default; set PYTORCH_CUDA_ALLOC_CONF to choose otherwise)", setting
     )

@@ -55,6 +55,9 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM's LoRA ker
 def import_vllm() -> Any:
     """The vllm module, or a UserError naming the fix (it is an optional extra with its own torch pin)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
+    if os.environ.get("RANK", "0") != "0":  # every process starts its own engine: rank 0's start-up log says it all
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # what vLLM configures its logger with, if it does
+        logging.getLogger("vllm").setLevel(logging.WARNING)  # and where it leaves that to us (its CPU build here)
     try:
         import vllm
     except Exception as exc:  # ImportError, or a build for another device failing to load
@@ -65,6 +68,9 @@ def import_vllm() -> Any:
             "see README), or set rollout.backend: hf"
         ) from None
     logging.getLogger("vllm.renderers.base").addFilter(_quiet_warmup)
+    # "Successfully reset prefix cache", at every weight sync: the progress bar's line broken once a step. A filter,
+    # not a level: vLLM's logging config, applied when an engine starts, resets the levels of its child loggers
+    logging.getLogger("vllm.v1.core.block_pool").addFilter(_quiet_prefix_cache_reset)
     return vllm
 
 
@@ -73,6 +79,10 @@ def _quiet_warmup(record: logging.LogRecord) -> bool:
     ``skip_tokenizer_init`` (set here: the engine gets token ids), fails for want of a tokenizer, and logs that with a
     traceback, though nothing is wrong (vllm 0.32)."""
     return not record.getMessage().startswith("Chat template warmup failed")
+
+
+def _quiet_prefix_cache_reset(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Successfully reset prefix cache")
 
 
 def sync_mode(cfg: RunConfig, model: Any) -> str:
