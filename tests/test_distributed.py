@@ -307,6 +307,25 @@ def test_pipeline_stages_share_one_launch():
         validate_config(raw, "pipe.yaml")
 
 
+def test_a_two_process_pipeline_announces_each_stage_once(sft_config: dict, tmp_path: Path):
+    """Every process runs the pipeline; the stage banners, and on a rerun the "already finished" lines, are printed
+    by one (they were printed by each)."""
+    stage = {k: v for k, v in sft_config.items() if k != "output_dir"}
+    stage["train"] = {**stage["train"], "max_steps": 2}
+    pipe = {
+        "output_dir": str(tmp_path / "pipe"),
+        "defaults": {"distributed": {"num_processes": 2}},
+        "stages": [{**stage, "name": "a"}, {**stage, "name": "b", "model": {**stage["model"], "from_stage": "a"}}],
+    }
+    path = write_yaml(tmp_path / "pipe.yaml", pipe)
+    first = run_cli("train", str(path))
+    assert first.returncode == 0, failure_output(first.stderr)
+    assert first.stdout.count("=== pipeline stage") == 2, first.stdout
+    again = run_cli("train", str(path), "resume_from_checkpoint=auto")
+    assert again.returncode == 0, failure_output(again.stderr)
+    assert again.stdout.count("=== pipeline stage") == 2 and again.stdout.count("already finished") == 2, again.stdout
+
+
 def test_torchrun_arguments():
     from rlfactory.config.schema import DistributedConfig
     from rlfactory.launch import torchrun_argv

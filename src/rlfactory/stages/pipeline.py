@@ -8,6 +8,7 @@ from typing import Any
 
 from rlfactory.config.schema import PipelineConfig, RunConfig
 from rlfactory.engine import run_dir
+from rlfactory.launch import is_first_process
 from rlfactory.stages import get_stage
 
 
@@ -41,15 +42,29 @@ def run_config(config: RunConfig | PipelineConfig) -> list[dict[str, Any]]:
         check_config(config)
     done: dict[str, RunConfig] = {}
     summaries = []
+    says = is_first_process()  # every process runs the pipeline; one announces it
     for index, run in enumerate(runs):
         run = resolve_from_stage(run, done)
-        if len(runs) > 1:
+        if len(runs) > 1 and says:
             print(f"=== pipeline stage {index + 1}/{len(runs)}: {run.name or run.stage} ({run.stage}) ===")
         finished = run_dir.skips_finished(run.output_dir, run.resume_from_checkpoint, len(runs) > 1)
         if finished is not None:
-            print(f"already finished ({Path(run.output_dir) / run_dir.SUMMARY_FILE}): skipped")
+            if says:
+                print(f"already finished ({Path(run.output_dir) / run_dir.SUMMARY_FILE}): skipped")
             summaries.append(finished)
         else:
             summaries.append(get_stage(run.stage).run(run))
+            if index + 1 < len(runs):
+                _wait_for_every_process()
         done[run.name or run.stage] = run
     return summaries
+
+
+def _wait_for_every_process() -> None:
+    """Between a pipeline's stages: the main process writes a stage's model and run_summary.json after the others
+    have finished the stage, and the next stage reads them (``from_stage``) on every process."""
+    from rlfactory.engine.shared import process_state
+
+    state = process_state()
+    if state.num_processes > 1:
+        state.wait_for_everyone()
