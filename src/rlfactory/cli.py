@@ -202,13 +202,15 @@ def _drop_use_return_dict(record: logging.LogRecord) -> bool:
 def _quiet_library_notices() -> None:
     """Silence what libraries print, once per process, that a user of ours can neither act on nor needs: Liger's note
     that its optional CuTe-DSL / Ascend backends cannot be imported (the Triton kernels run), transformers' deprecation
-    of the ``config.use_return_dict`` that Liger's patched forward reads, and torch's advice, at every barrier of a
-    launched run, to pass ``device_id`` to ``init_process_group`` (Accelerate creates the group)."""
+    of the ``config.use_return_dict`` that Liger's patched forward reads, and of the ``is_gradient_checkpointing``
+    that peft 0.21 reads whenever it wraps or loads an adapter, and torch's advice, at every barrier of a launched
+    run, to pass ``device_id`` to ``init_process_group`` (Accelerate creates the group)."""
     import warnings
 
     logging.getLogger("liger_kernel.backends.registry").setLevel(logging.ERROR)
     logging.getLogger("transformers.configuration_utils").addFilter(_drop_use_return_dict)
     warnings.filterwarnings("ignore", message=r"barrier\(\): using the device under current context")
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
