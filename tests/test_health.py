@@ -228,8 +228,11 @@ def test_zero_advantage_groups_share():
 
     sample = lambda group, score: SimpleNamespace(group=group, score=score)
     samples = [sample(0, 1.0), sample(0, 1.0), sample(1, 0.0), sample(1, 1.0), sample(2, 0.5), sample(2, 0.5)]
-    assert zero_advantage_groups(samples) == {"rollout/zero_adv_groups": pytest.approx(2 / 3)}
-    assert zero_advantage_groups([sample(0, 1.0), sample(1, 1.0)]) == {}  # no groups (ppo, one sample per prompt)
+    assert zero_advantage_groups(samples, "grpo") == {"rollout/zero_adv_groups": pytest.approx(2 / 3)}
+    assert zero_advantage_groups(samples, "rloo") == {"rollout/zero_adv_groups": pytest.approx(2 / 3)}
+    assert zero_advantage_groups([sample(0, 1.0), sample(1, 1.0)], "grpo") == {}  # no groups: one sample per prompt
+    # a critic's or the batch's baseline gives a one-reward group an advantage: no share, no zero_advantage alert
+    assert zero_advantage_groups(samples, "gae") == zero_advantage_groups(samples, "reinforce_plus_plus") == {}
 
 
 # --------------------------------------------------------------------------- real runs built to go wrong

@@ -95,7 +95,9 @@ class TruncationRule(RateRule):
 
 
 class ZeroAdvantageRule(RateRule):
-    """zero_advantage: groups whose samples all got the same reward (rollout/zero_adv_groups): no learning signal."""
+    """zero_advantage: groups whose samples all got the same reward (rollout/zero_adv_groups): no learning signal for
+    an estimator that compares a prompt's samples (grpo, rloo, ...); not measured under gae or reinforce_plus_plus,
+    whose baselines give such a group an advantage."""
 
     max_rate: float = Field(
         0.8, ge=0.0, le=1.0, description="Fires when the recent mean share of such groups is above this."

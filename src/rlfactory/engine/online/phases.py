@@ -430,7 +430,9 @@ def mismatch(
     )
 
 
-def batch_metrics(samples: list[Rollout], generated: list[Rollout], failures: dict[str, int], kept: int) -> dict:
+def batch_metrics(
+    samples: list[Rollout], generated: list[Rollout], failures: dict[str, int], kept: int, estimator: str
+) -> dict:
     """score/, reward/<name>/ and response_length/ over every sample generated this step (the policy as it
     is, before dynamic sampling filters groups), of every rank; ``kept``: the informative samples trained."""
     scores = [s.score for s in generated]
@@ -449,14 +451,20 @@ def batch_metrics(samples: list[Rollout], generated: list[Rollout], failures: di
         "response_length/clip_ratio": sum(s.completion.finish_reason == "length" for s in generated) / len(lengths),
         "rollout/kept_samples": float(kept),
         "rollout/generated_samples": float(len(generated)),
-        **zero_advantage_groups(samples),
+        **zero_advantage_groups(samples, estimator),
         **episode_metrics([s.example for s in generated]),
     }
 
 
-def zero_advantage_groups(samples: list[Rollout]) -> dict[str, float]:
+def zero_advantage_groups(samples: list[Rollout], estimator: str) -> dict[str, float]:
     """rollout/zero_adv_groups: the share of the trained groups whose samples all got the same reward (a group
-    estimator gives them zero advantage: no learning signal). Only with groups (num_samples >= 2)."""
+    estimator gives them zero advantage: no learning signal). Only with groups (num_samples >= 2) and an estimator
+    that compares a prompt's samples: a critic's (gae) or the batch's (reinforce_plus_plus) baseline still gives
+    such a group an advantage, so the share says nothing about its signal there."""
+    from rlfactory.algos.advantages import ADV_ESTIMATORS
+
+    if not ADV_ESTIMATORS.traits(estimator)["needs_groups"]:
+        return {}
     scores: dict[int, set[float]] = defaultdict(set)
     sizes: dict[int, int] = defaultdict(int)
     for sample in samples:
@@ -502,7 +510,7 @@ def step(run: Run, index: int) -> StepResult:
             update_metrics, trainer_logprobs = update_models(run, batch, index)
         metrics.update(update_metrics)
     kept = informative_samples(samples, ro.num_samples) if ro.dynamic_sampling else len(samples)
-    metrics.update(batch_metrics(samples, generated, failures, kept))
+    metrics.update(batch_metrics(samples, generated, failures, kept, run.cfg.algorithm.adv_estimator))
     metrics.update(mismatch(run.ranks, batch, trainer_logprobs, ro.is_threshold))
     metrics["rollout/staleness"] = sum(index - s.version for s in samples) / len(samples)  # steps behind the policy
     timing = run.timer.pop()
