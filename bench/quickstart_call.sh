@@ -5,6 +5,7 @@
 #   NPROC=2 bash bench/quickstart_call.sh                          # ddp for every stage; zero2/zero3/fsdp2 for sft, dpo
 #   NPROC=4 STAGES="sft dpo" STRATEGIES="zero3 fsdp2" bash bench/quickstart_call.sh
 #   NPROC=2 STAGES="sft grpo" SHARDED= STEPS=2 bash bench/quickstart_call.sh     # CPU smoke (gloo, ddp only)
+#   NPROC=4 PARALLEL=3 bash bench/quickstart_call.sh                # three runs at a time: one device call
 #
 # Each run: `rlfactory train examples/quickstart/<stage>.yaml (ppo: examples/ppo/tiny_arith.yaml) distributed.num_processes=$NPROC train.max_steps=$STEPS`
 # into its own output dir, stopped after $RUN_TIMEOUT s. A run passes when it exits 0, its output shows one start
@@ -19,6 +20,7 @@ STRATEGIES=${STRATEGIES:-ddp}       # for every stage
 SHARDED=${SHARDED-sft dpo}          # these stages also run under zero2, zero3 and fsdp2 (GPUs only)
 STEPS=${STEPS:-20}
 RUN_TIMEOUT=${RUN_TIMEOUT:-240}
+PARALLEL=${PARALLEL:-1}             # runs at a time, e.g. 2 on a GPU host (each run still uses all $NPROC GPUs)
 OUT=${OUT:-/tmp/quickstart}
 mkdir -p "$OUT"
 if command -v nvidia-smi > /dev/null; then  # the device kits (built for the GPU machine's Python) only there
@@ -58,16 +60,22 @@ run() {  # run <stage> <strategy>
   [[ $code == 0 && $banners == 1 && $saves == 1 && $model == 1 ]] && ok=true
   echo "RESULT {\"run\": \"$name\", \"ok\": $ok, \"exit\": $code, \"seconds\": $seconds, \"banners\": $banners, \"saved_lines\": $saves, \"model\": $model}"
   $ok || tail -n 15 "$log" | sed "s/^/  $name | /"
-  SUMMARY+=("| $stage | $strategy | $NPROC | $code | $seconds | $banners | $saves | $model | $ok |")
+  echo "| $stage | $strategy | $NPROC | $code | $seconds | $banners | $saves | $model | $ok |" > "$OUT/$name.row"
 }
 
-SUMMARY=()
+# PARALLEL runs at a time (each on all $NPROC GPUs: the tiny model leaves them room; start-up is most of a run)
+rm -f "$OUT"/*.row
 for stage in $STAGES; do
-  for strategy in $STRATEGIES; do run "$stage" "$strategy"; done
+  strategies=$STRATEGIES
   if [[ $GPU == 1 && " $SHARDED " == *" $stage "* ]]; then
-    for strategy in zero2 zero3 fsdp2; do [[ " $STRATEGIES " == *" $strategy "* ]] || run "$stage" "$strategy"; done
+    for strategy in zero2 zero3 fsdp2; do [[ " $STRATEGIES " == *" $strategy "* ]] || strategies+=" $strategy"; done
   fi
+  for strategy in $strategies; do
+    while [[ $(jobs -rp | wc -l) -ge $PARALLEL ]]; do wait -n; done
+    run "$stage" "$strategy" &
+  done
 done
+wait
 echo "| stage | strategy | processes | exit | s | start banners | saved lines | model | ok |"
 echo "|---|---|---|---|---|---|---|---|---|"
-printf '%s\n' "${SUMMARY[@]}"
+cat "$OUT"/*.row
