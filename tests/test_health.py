@@ -304,6 +304,26 @@ def always_one(prompt, completion, answer, example):
 '''
 
 
+def test_a_warning_mid_run_prints_above_the_progress_bar_not_glued_to_it(tmp_path: Path):
+    """With the progress bar on, the health warnings at step 3 are lines of their own: what stderr shows last on
+    each line (after the last carriage return) is either the bar or a warning, never the bar with the first warning
+    after it (as printed before: "grpo:  75%|...| 3/4 [...]WARNING rlfactory.engine.health: ...")."""
+    (tmp_path / "rewards.py").write_text(CONSTANT)
+    cfg = grpo_run(
+        tmp_path,
+        rollout={"prompts_per_step": 2, "num_samples": 2, "max_response_len": 8},
+        reward={"functions": {f"{tmp_path / 'rewards.py'}:always_one": 1.0}},
+        train={"max_steps": 4, "per_device_batch_size": 4},
+        logging={"progress_bar": True},
+    )
+    log, stderr = train(tmp_path, cfg)
+    assert (3, "zero_advantage", "rollout/zero_adv_groups") in alerts_of(log)
+    shown = [line.split("\r")[-1] for line in stderr.splitlines()]
+    warnings = [line for line in shown if "health: " in line]  # zero_advantage and truncation, both at step 3
+    assert len(warnings) >= 2 and all(w.startswith("WARNING rlfactory.engine.health: health: ") for w in warnings)
+    assert any(line.startswith("grpo: 100%") for line in stderr.replace("\r", "\n").splitlines())  # the bar ran
+
+
 @pytest.mark.slow
 def test_a_constant_reward_stops_the_run_with_a_checkpoint(tmp_path: Path):
     """Every group has one reward: zero_advantage (action stop) and constant_component (window 3) fire at step 3;

@@ -40,6 +40,7 @@ from rlfactory.engine.shared import (
     init_trackers,
     keep_trainable_weights,
     load_checkpoint,
+    log_lines_above,
     log_record,
     make_optimizer,
     make_scheduler,
@@ -313,7 +314,7 @@ def train(cfg: RunConfig, model: Any, tokenizer: Any, parts: StageParts, resume_
     if s.eval_shard is not None and resume_from is None:  # step-0 eval: the baseline the curve starts from
         _log(s, out, {"step": 0, **evaluate(acc, s.model, s.eval_shard, parts)})
     s.model.train()
-    with StopSignals() as stop:
+    with StopSignals() as stop, log_lines_above(bar):
         step, last_metrics, eval_metrics = _loop(s, cfg, parts, step, epoch, skip_batches, stop, guard, bar, clock)
     bar.close()
     if s.eval_shard is not None and not (cfg.train.eval_steps and step % cfg.train.eval_steps == 0):

@@ -469,6 +469,20 @@ class NonFiniteGuard:
         return {"skipped_steps": float(len(counted))} if counted else {}
 
 
+@contextlib.contextmanager
+def log_lines_above(bar: Any) -> Any:
+    """While the progress ``bar`` shows, log lines print above it (``tqdm.write``) instead of after its text on its
+    own line, which left a mid-run warning glued to the bar ("grpo:  40%|...| 4/10 [...]INFO ...") and the bar
+    redrawn after it. tqdm's own logging bridge; the handlers keep their stream and format."""
+    if bar.disable:
+        yield
+        return
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with logging_redirect_tqdm(tqdm_class=type(bar)):
+        yield
+
+
 class StopSignals:
     """SIGTERM and SIGINT during training: finish the current step, save a checkpoint, stop with a message.
 

@@ -364,7 +364,7 @@ def train(
         disable=not (cfg.logging.progress_bar and run.accelerator.is_main_process),
     )
     try:
-        with shared.StopSignals() as stop:
+        with shared.StopSignals() as stop, shared.log_lines_above(bar):
             last = _loop(run, bar, stop, bool(eval_prompts))
         bar.close()
         if eval_prompts:
