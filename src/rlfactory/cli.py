@@ -190,9 +190,7 @@ def _setup_logging() -> None:
     for noisy in ("transformers", "accelerate", "datasets", "httpx", "matplotlib", "liger_kernel"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     _quiet_library_notices()
-    from rlfactory.launch import is_first_process
-
-    if not is_first_process():  # a launched process past the first: rank 0 says what every rank would
+    if os.environ.get("RANK", "0") != "0":  # a launched process past the first: rank 0 says what every rank would
         logging.getLogger("rlfactory").setLevel(logging.WARNING)  # (once, not once per process); warnings stay
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' "Loading weights", datasets' maps
 

@@ -23,12 +23,6 @@ if TYPE_CHECKING:
     from rlfactory.config.schema import DistributedConfig, PipelineConfig, RunConfig
 
 
-def is_first_process() -> bool:
-    """Rank 0 of a launched run, or the only process: the one that prints what every process would (before
-    Accelerate exists, from the launcher's ``RANK``)."""
-    return os.environ.get("RANK", "0") == "0"
-
-
 def inside_launcher() -> bool:
     """This process was started by torchrun / accelerate launch (or a cluster launcher that sets the same)."""
     return "WORLD_SIZE" in os.environ or "LOCAL_RANK" in os.environ

@@ -55,9 +55,7 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM's LoRA ker
 def import_vllm() -> Any:
     """The vllm module, or a UserError naming the fix (it is an optional extra with its own torch pin)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
-    from rlfactory.launch import is_first_process
-
-    if not is_first_process():  # every process starts its own engine: rank 0's start-up log says it all
+    if os.environ.get("RANK", "0") != "0":  # every process starts its own engine: rank 0's start-up log says it all
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # what vLLM configures its logger with, if it does
         logging.getLogger("vllm").setLevel(logging.WARNING)  # and where it leaves that to us (its CPU build here)
     try:

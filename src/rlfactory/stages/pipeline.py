@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from rlfactory.config.schema import PipelineConfig, RunConfig
 from rlfactory.engine import run_dir
-from rlfactory.launch import is_first_process
 from rlfactory.stages import get_stage
 
 
@@ -42,7 +42,7 @@ def run_config(config: RunConfig | PipelineConfig) -> list[dict[str, Any]]:
         check_config(config)
     done: dict[str, RunConfig] = {}
     summaries = []
-    says = is_first_process()  # every process runs the pipeline; one announces it
+    says = os.environ.get("RANK", "0") == "0"  # every process runs the pipeline (launched: torchrun's RANK); one says
     for index, run in enumerate(runs):
         run = resolve_from_stage(run, done)
         if len(runs) > 1 and says:
