@@ -240,6 +240,25 @@ def test_an_environment_that_raises_or_exits_ends_its_episode_not_the_run(tokeni
     assert episode_metrics([{"agent": res.summary()}])["finish/env_error"] == 1.0
 
 
+def test_on_several_processes_the_failure_lines_say_they_count_one_process(monkeypatch, caplog):
+    """Each process logs its own rollouts' failures; the logged rates count every process's, so the line says whose
+    counts it gives."""
+    import logging
+    from types import SimpleNamespace
+
+    from rlfactory.rollout.agent import _log_failures
+
+    calls = [{"error_kind": None, "tool_error": "ValueError: bad"}, {"error_kind": None}]
+    convs = [SimpleNamespace(turns=[{"calls": calls, "env_error": "KeyError: 'state'"}])]
+    for world, where in (("1", ""), ("2", " (this process)")):
+        monkeypatch.setenv("WORLD_SIZE", world)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="rlfactory.rollout.agent"):
+            _log_failures(convs)
+        assert f"tool calls failed{where}: 1/2 (first: ValueError: bad)" in caplog.text
+        assert f"environment steps raised{where} in 1/1 episodes (first: KeyError: 'state')" in caplog.text
+
+
 def test_an_environment_step_that_hangs_times_out_and_a_plain_one_is_flagged(tokenizer, calc, tmp_path):
     """agent.env_step_timeout_s: an async step awaiting forever is cancelled; a plain step spinning in a CPU loop
     cannot be, so its episode is flagged ``env_hung`` (the online loop then stops the run). Both end their episode

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -83,17 +84,18 @@ class AgentSettings:
 
 
 def _log_failures(convs: list[Conversation]) -> None:
-    """One warning per batch for tool calls that failed and environment steps that raised, with the first reason
+    """One line per batch for tool calls that failed and environment steps that raised, with the first reason
     (each is also in the trace: ``tool_error`` per call, ``env_error`` per turn, and in tool_errors/rate and
-    finish/env_error)."""
+    finish/env_error, which count every process's). On several processes each line counts its own process's."""
+    own = " (this process)" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     calls = [c for conv in convs for turn in conv.turns for c in turn["calls"] if c["error_kind"] is None]
     failed = [c["tool_error"] for c in calls if c.get("tool_error")]
     if failed:
-        log.info("tool calls failed: %d/%d (first: %s)", len(failed), len(calls), failed[0])
+        log.info("tool calls failed%s: %d/%d (first: %s)", own, len(failed), len(calls), failed[0])
     env_errors = [t["env_error"] for conv in convs for t in conv.turns if "env_error" in t]
     if env_errors:
         log.warning(
-            "environment steps raised in %d/%d episodes (first: %s)", len(env_errors), len(convs), env_errors[0]
+            "environment steps raised%s in %d/%d episodes (first: %s)", own, len(env_errors), len(convs), env_errors[0]
         )
 
 
