@@ -5,7 +5,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source .gpu/vllm/setup.sh > /dev/null
-source .gpu/whl/setup.sh > /dev/null
+source .gpu/whl/setup.sh > /dev/null 2>&1 || source .gpu/whl-rl/setup.sh > /dev/null  # bench/gpu_kit.sh
 export PYTHONPATH="$PWD/src:$PWD:/tmp/site:${PYTHONPATH:-}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 DS_BUILD_OPS=0
 export OMP_NUM_THREADS=$(($(nproc) / 4)) TRACE_DIR=/tmp/traces
 OUT=${OUT:-/tmp/diag}

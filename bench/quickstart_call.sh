@@ -25,7 +25,9 @@ OUT=${OUT:-/tmp/quickstart}
 mkdir -p "$OUT"
 if command -v nvidia-smi > /dev/null; then  # the device kits (built for the GPU machine's Python) only there
   [ -f .gpu/vllm/setup.sh ] && { source .gpu/vllm/setup.sh > /dev/null 2>&1 || true; }
-  [ -f .gpu/whl/setup.sh ] && { source .gpu/whl/setup.sh > /dev/null || true; }
+  for kit in .gpu/whl .gpu/whl-rl; do  # bench/gpu_kit.sh builds them
+    [ -f $kit/setup.sh ] && { source $kit/setup.sh > /dev/null || true; break; }
+  done
 fi
 export PYTHONPATH="$PWD/src:$PWD:/tmp/site:${PYTHONPATH:-}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 DS_BUILD_OPS=0
 PY=${PY:-python3}

@@ -17,7 +17,7 @@
 # for a smoke run: on a 4-GPU host the 1- and 2-GPU runs side by side on disjoint GPUs (ours on GPU 0, TRL on
 # GPU 1, both on GPUs 2,3), then the 4-GPU runs. Every process gets the CPU threads a 4-process launch gives
 # it (cores / 4), so a 1-GPU run is not favoured by more threads.
-# Needs in the checkout: .gpu/whl (setup.sh or *.whl: trl, datasets, multiprocess, liger-kernel) and, for grpo,
+# Needs in the checkout: .gpu/whl or .gpu/whl-rl (`bash bench/gpu_kit.sh`: trl, datasets, liger-kernel, ...) and, for grpo,
 # .gpu/vllm/setup.sh (a vLLM build for the device's torch). Writes $OUT/scaling_<case>.jsonl and one log per lane.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +43,9 @@ fi
 if [ -f .gpu/whl/setup.sh ]; then  # the packages as one archive (unpacked into /tmp/site)
   # shellcheck disable=SC1091
   source .gpu/whl/setup.sh > /dev/null
+elif [ -f .gpu/whl-rl/setup.sh ]; then  # the same without DeepSpeed and pydantic, beside the vLLM kit
+  # shellcheck disable=SC1091
+  source .gpu/whl-rl/setup.sh > /dev/null
 elif compgen -G ".gpu/whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl || exit 2
 fi
