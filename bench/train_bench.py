@@ -90,7 +90,7 @@ SHAPES = {
 PEAK_FLOPS = 989e12
 
 
-def build_model(shape: str, device: str, case: str = "sft_full"):
+def build_model(shape: str, device: str, case: str = "sft_full", attention: str = "sdpa"):
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, Qwen2Config
 
@@ -103,7 +103,7 @@ def build_model(shape: str, device: str, case: str = "sft_full"):
     else:
         auto = AutoModelForCausalLM
     with torch.device(device):  # initialised on the device: seconds instead of a minute of CPU init
-        return auto.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        return auto.from_config(config, dtype=dtype, attn_implementation=attention)
 
 
 def build_tokenizer(vocab_size: int):
@@ -184,7 +184,7 @@ def _ours_parts(args, model, tokenizer, sequences):
             {**p, "chosen_mask": [True] * len(p["chosen_ids"]), "rejected_mask": [True] * len(p["rejected_ids"])}
             for p in random_pairs(sequences)
         ]
-        return model, StageParts(items, preference_data.collate_pairs(0), rm.make_loss(RMConfig()), dpo.count_pairs)
+        return model, StageParts(items, _pair_collate(args), rm.make_loss(RMConfig()), preference_data.count_pairs)
     finetuning = "lora" if args.case.endswith("lora") else "full"  # as the model loader does:
     maybe_apply_liger(model, None, finetuning, compiled=args.impl.startswith("ours_compile"))
     if args.case.endswith("lora"):
@@ -199,10 +199,21 @@ def _ours_parts(args, model, tokenizer, sequences):
         loss, traits = dpo.check_loss_type("sigmoid")
         ref = ReferencePolicy(model)  # LoRA: the adapter-disabled policy, no copy (what build_reference picks for LoRA)
         loss_fn = dpo.make_loss(DPOConfig(), loss, traits, ref, kernels)
-        return model, StageParts(items, preference_data.collate_pairs(0), loss_fn, dpo.count_pairs)
+        return model, StageParts(items, _pair_collate(args), loss_fn, preference_data.count_pairs)
     items = [{"input_ids": s, "labels": s} for s in sequences]
     loss_fn = functools.partial(sft.nll_sum, kernels=kernels)
     return model, StageParts(items, sft.collate_padded(0), loss_fn, sft.count_tokens)
+
+
+def _shares_prompts(args) -> bool:
+    """The ``-share`` lever: ``data.share_prompt`` (each pair one row, its prompt computed once; sdpa_varlen)."""
+    return args.impl.startswith("ours") and "share" in args.impl.split("-")[1:]
+
+
+def _pair_collate(args):
+    from rlfactory.stages import preference_data
+
+    return preference_data.collate_shared_pairs if _shares_prompts(args) else preference_data.collate_pairs(0)
 
 
 def torch_seed() -> None:
@@ -252,6 +263,8 @@ def run_ours(args, model, tokenizer, sequences, out: str) -> tuple[list[float], 
             from rlfactory.model import lm_head
 
             lm_head.select_rows = lambda source, rows: source.index_select(0, rows)
+        elif variant == "share":  # dpo/rm: data.share_prompt (read by _pair_collate and the worker's model)
+            pass
         elif variant != "torchlp" and not (variant.startswith("c") and variant[1:].isdigit()):  # _ours_kernels' own
             raise SystemExit(f"unknown lever -{variant} in {args.impl} (a typo would time the code without it)")
     if _ddp_kwargs:
@@ -505,7 +518,12 @@ def worker(args) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun: one process per GPU
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    model = build_model(args.shape, args.device, args.case)
+    if _shares_prompts(args):
+        from rlfactory.model.attention import attention_implementation
+
+        model = build_model(args.shape, args.device, args.case, attention_implementation("sdpa_varlen"))
+    else:
+        model = build_model(args.shape, args.device, args.case)
     progress("model built")
     n_params = sum(p.numel() for p in model.parameters())
     tokenizer = build_tokenizer(SHAPES[args.shape]["vocab_size"])
@@ -545,7 +563,9 @@ def worker(args) -> None:
         # the whole run: the compile's tuning kernels and the final save's copies are in it too
         path.write_text(f"{args.warmup + args.steps} steps, compile and final save included\n{table}")
     step_s = statistics.median(steps)
-    tokens_per_s = rows * world * args.seq / step_s
+    tokens_per_s = rows * world * args.seq / step_s  # each pair counted as two sequences, in every layout
+    # MFU from the tokens computed: a shared-prompt row computes a pair's seq/4-token prompt once (random_pairs)
+    computed = 7 / 8 if _shares_prompts(args) else 1.0
     print(
         "RESULT "
         + json.dumps(
@@ -555,7 +575,7 @@ def worker(args) -> None:
                 "gpus": world,
                 "step_s": round(step_s, 4),
                 "tokens_per_s": round(tokens_per_s),
-                "mfu": round(6 * n_params * tokens_per_s / world / PEAK_FLOPS, 4),
+                "mfu": round(6 * n_params * tokens_per_s * computed / world / PEAK_FLOPS, 4),
                 "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None,
                 "timed_steps": len(steps),
                 "losses": [round(x, 5) for x in losses[:6]],

@@ -28,10 +28,15 @@ def test_the_varlen_kernel_computes_each_documents_causal_attention(heads: int, 
     attention.register()  # as the loader does: this torch's grouped-query setting is read there
     lengths = [1, 37, 300, 1024, 5]
     q, k, v, cu = _documents(lengths, heads, kv_heads)
+    _assert_kernel_matches_reference(q, k, v, cu, cu, max(lengths), max(lengths))
+
+
+def _assert_kernel_matches_reference(q, k, v, cu_q, cu_k, max_q: int, max_k: int) -> None:
+    """The flash kernel's bfloat16 output and q/k/v gradients against the per-document float32 reference."""
     inputs = [t.detach().requires_grad_() for t in (q, k, v)]
     reference = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    out = attention._flash_varlen(*inputs, cu, max(lengths), 128**-0.5)
-    ref = attention._per_document(*reference, cu, 128**-0.5)
+    out = attention._flash_varlen(*inputs, cu_q, cu_k, max_q, max_k, 128**-0.5)
+    ref = attention._per_document(*reference, cu_q, cu_k, 128**-0.5)
     assert out.shape == ref.shape == q.shape and out.dtype == torch.bfloat16
     assert (out.float() - ref).abs().max() <= 4 * EPS_BF16 * ref.abs().max()
     grad = torch.randn_like(ref)
@@ -41,31 +46,48 @@ def test_the_varlen_kernel_computes_each_documents_causal_attention(heads: int, 
         assert (mine.grad.float() - theirs.grad).abs().max() <= 16 * EPS_BF16 * theirs.grad.abs().max()
 
 
-def test_a_packed_row_through_compiled_varlen_layers_gives_the_padded_logprobs():
-    """A two-layer Qwen2 shape, layers compiled as train.torch_compile compiles them: the packed row's bfloat16
-    log-probs (varlen) are as close to float32 padded sdpa's as bfloat16 padded sdpa's are (twice their largest
-    error, plus a few bfloat16 ulps), and the varlen kernel did run."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+@pytest.mark.parametrize("heads,kv_heads", [(28, 4), (8, 8)], ids=["gqa", "mha"])
+def test_documents_with_more_keys_than_queries_are_causal_at_the_bottom_right(heads: int, kv_heads: int):
+    """``data.share_prompt``'s layout: a document's keys longer than its queries (a rejected response's queries over
+    the prompt's keys and its own). The flash kernel aligns the causal mask at the bottom right, as the per-document
+    float32 reference spells it out; a top-left kernel would fail this by far more than bfloat16 rounding."""
+    attention.register()
+    q_lengths, k_lengths = [300, 200, 37, 5], [300, 456, 37, 60]
+    q, _, _, cu_q = _documents(q_lengths, heads, kv_heads)
+    _, k, v, cu_k = _documents(k_lengths, heads, kv_heads)
+    _assert_kernel_matches_reference(q, k, v, cu_q, cu_k, max(q_lengths), max(k_lengths))
 
-    from rlfactory.engine.online.update import host_lengths, packed_micro_batch, policy_forward
-    from rlfactory.rollout.base import Completion
-    from rlfactory.rollout.batch import pack_rollouts
+
+def _three_models():
+    """A two-layer Qwen2 shape with one set of weights: float32 sdpa (the reference), bfloat16 sdpa, and bfloat16
+    sdpa_varlen with its layers compiled as train.torch_compile compiles them."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
 
     config = Qwen2Config(
         vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=2, max_position_embeddings=2048,
+        num_key_value_heads=2, max_position_embeddings=4096,
     )  # fmt: skip
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").cuda().float()
     padded_model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").cuda().bfloat16()
-    varlen_model = AutoModelForCausalLM.from_config(
-        config, attn_implementation=attention.attention_implementation("sdpa_varlen")
-    ).cuda()
-    varlen_model = varlen_model.bfloat16()
+    varlen = attention.attention_implementation("sdpa_varlen")
+    varlen_model = AutoModelForCausalLM.from_config(config, attn_implementation=varlen).cuda().bfloat16()
     padded_model.load_state_dict(reference.state_dict())
     varlen_model.load_state_dict(reference.state_dict())
     for layer in varlen_model.model.layers:
         layer.compile()
+    return reference, padded_model, varlen_model
+
+
+def test_a_packed_row_through_compiled_varlen_layers_gives_the_padded_logprobs():
+    """A two-layer Qwen2 shape, layers compiled as train.torch_compile compiles them: the packed row's bfloat16
+    log-probs (varlen) are as close to float32 padded sdpa's as bfloat16 padded sdpa's are (twice their largest
+    error, plus a few bfloat16 ulps), and the varlen kernel did run."""
+    from rlfactory.engine.online.update import host_lengths, packed_micro_batch, policy_forward
+    from rlfactory.rollout.base import Completion
+    from rlfactory.rollout.batch import pack_rollouts
+
+    reference, padded_model, varlen_model = _three_models()
     prompts = [[5, 6, 7], list(range(10, 40)), [19]]
     completions = [Completion([40 + i % 50 for i in range(n)], "length") for n in (700, 3, 64)]
     batch = pack_rollouts(prompts, completions, pad_id=0, mask_truncated=False).to("cuda")
@@ -86,3 +108,32 @@ def test_a_packed_row_through_compiled_varlen_layers_gives_the_padded_logprobs()
     padded_error = (padded - exact)[mask].abs().max()
     assert (varlen - exact)[mask].abs().max() <= 2 * padded_error + 4 * EPS_BF16
     assert exact[mask].std() > 0.1  # a model whose log-probs vary (not a flat distribution compared with itself)
+
+
+def test_shared_prompt_pairs_through_compiled_varlen_layers_give_the_padded_logprobs():
+    """``data.share_prompt`` on the GPU: pairs as one row through compiled layers (the kernel's separate key
+    documents, ``kv_index``'s gather) against float32 padded sdpa, within twice bfloat16 padded sdpa's own error
+    plus a few ulps; the same for the gradient of a weighted sum."""
+    from rlfactory.stages.preference_data import collate_pairs, collate_shared_pairs, forward_logps
+
+    reference, padded_model, shared_model = _three_models()
+    g = torch.Generator().manual_seed(0)
+    items = []
+    for prompt, chosen, rejected in ((256, 768, 768), (3, 40, 900), (500, 1, 7)):
+        ids = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (prompt, chosen, rejected)]
+        items.append({"prompt_ids": ids[0], "chosen_ids": ids[1], "chosen_mask": [True] * chosen,
+                      "rejected_ids": ids[2], "rejected_mask": [True] * rejected, "margin": None})  # fmt: skip
+    padded_batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in collate_pairs(0, 8)(items).items()}
+    shared_batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in collate_shared_pairs(items).items()}
+    weights = torch.arange(1.0, 7.0, device="cuda")
+    results = []
+    for model, batch in ((reference, padded_batch), (padded_model, padded_batch), (shared_model, shared_batch)):
+        sums = forward_logps(model, batch)[0]
+        (sums * weights).sum().backward()
+        grad = model.model.layers[0].self_attn.q_proj.weight.grad.float()
+        results.append((sums.detach().float(), grad))
+    (exact, exact_grad), (padded, padded_grad), (shared, shared_grad) = results
+    assert (shared - exact).abs().max() <= 2 * (padded - exact).abs().max() + 4 * EPS_BF16 * exact.abs().max()
+    assert (shared_grad - exact_grad).abs().max() <= 2 * (padded_grad - exact_grad).abs().max() + 4 * EPS_BF16 * (
+        exact_grad.abs().max()
+    )

@@ -162,6 +162,11 @@ class RunConfig(Section):
             raise ValueError("model.name_or_path is required (a local model directory or a hub id)")
         if not self.data.dataset:
             raise ValueError("data.dataset is required: name at least one dataset from dataset_info.yaml")
+        if self.data.share_prompt and self.stage not in ("rm", "dpo", "orpo"):
+            raise ValueError(
+                f"data.share_prompt applies to the paired stages rm, dpo and orpo, not to stage "
+                f"'{self.stage}'; remove it"
+            )
         if self.rollout is not None:  # an online stage (its sections were filled above)
             assert self.reward is not None
             if not self.reward.functions and not self.reward.reward_model:

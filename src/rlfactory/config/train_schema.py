@@ -47,6 +47,13 @@ class DataConfig(Section):
         "longer than its longest document with sdpa / eager (they compute a row's whole attention). Stage pt always "
         "packs its text into blocks of cutoff_len tokens.",
     )
+    share_prompt: bool = Field(
+        False,
+        description="rm, dpo, orpo: each preference pair's prompt computed once instead of twice: a micro-batch is "
+        "one row of prompt, chosen and rejected per pair, the rejected response attending to the prompt's keys "
+        "(the same numbers as two rows, with no padding). Needs model.attn_implementation sdpa_varlen (what auto "
+        "picks on a CUDA GPU whose torch has the varlen kernel).",
+    )
     max_samples: int | None = Field(None, ge=1, description="Use at most this many rows per dataset.")
     max_bad_rows: int = Field(
         0, ge=0, description="How many malformed rows may be skipped (with a warning) before it is an error."

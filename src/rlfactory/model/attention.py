@@ -15,6 +15,13 @@ names transformers' flash-attention path reads) runs varlen and ignores the mask
 generation with a cache, sliding windows, dropout, a full-precision model) is transformers' sdpa, unchanged.
 On CPU (no flash kernel) the varlen call runs sdpa's causal kernel once per document: the same numbers, used by the
 CPU tests and by CPU runs.
+
+A call that also carries ``kv_index`` (``data.share_prompt``: a preference pair's prompt computed once, see
+``stages/preference_data.collate_shared_pairs``) reads each document's keys and values from those positions of the
+row, so a document's keys may be longer than its queries (the rejected response attends to the prompt before the
+chosen one); ``cu_seq_lens_k`` / ``max_length_k`` give the key documents. The causal mask is then aligned at the
+bottom right (query i of a document with q queries and k keys sees keys 0 .. i + k - q), as the flash kernels align
+it when the lengths differ.
 """
 
 from __future__ import annotations
@@ -148,36 +155,56 @@ def varlen_attention(
         return _sdpa_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # (T, H, D)
+    # max_length_q as given (an int, or a symbolic one in a compiled layer: int() would specialize on it)
+    cu_k, max_q, max_k = cu_seqlens, kwargs.get("max_length_q"), kwargs.get("max_length_q")
+    kv_index = kwargs.get("kv_index")
+    if kv_index is not None:  # shared prompts: each document's keys gathered from the row (see the module's doc)
+        k, v = k.index_select(0, kv_index), v.index_select(0, kv_index)
+        cu_k, max_k = kwargs["cu_seq_lens_k"], kwargs["max_length_k"]
     if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
-        # max_length_q as given (an int, or a symbolic one in a compiled layer: int() would specialize on it)
-        out = _flash_varlen(q, k, v, cu_seqlens, kwargs["max_length_q"], scale)
+        out = _flash_varlen(q, k, v, cu_seqlens, cu_k, max_q, max_k, scale)
     else:
-        out = _per_document(q, k, v, cu_seqlens, scale)
+        out = _per_document(q, k, v, cu_seqlens, cu_k, scale)
     return out.unsqueeze(0), None
 
 
 def _flash_varlen(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_length: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    scale: float,
 ) -> torch.Tensor:
-    options: dict[str, Any] = {"scale": scale, "window_size": (-1, 0)}  # (-1, 0): causal
+    # (-1, 0): causal, aligned at the bottom right where a document has more keys than queries
+    options: dict[str, Any] = {"scale": scale, "window_size": (-1, 0)}
     if k.shape[1] != q.shape[1] and _varlen_gqa:  # grouped-query attention, said out loud where torch asks for it
         options["enable_gqa"] = True
     # torch < 2.12 has no enable_gqa, but its flash kernel takes grouped key/value heads as they are (torch 2.11 on
     # an H200: equal to the call with repeated heads, and 0.57 ms against 0.76: bench/varlen_probe.py), so the heads
     # are never repeated here
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, **options)
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **options)
 
 
 def _per_document(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Each document's causal attention with sdpa (CPU, or a dtype the flash kernel does not take)."""
-    bounds = cu_seqlens.tolist()
+    """Each document's causal attention with sdpa (CPU, or a dtype the flash kernel does not take); a document
+    with more keys than queries gets the bottom-right-aligned causal mask the flash kernels use."""
+    q_bounds, k_bounds = cu_q.tolist(), cu_k.tolist()
     parts = []
-    for start, end in zip(bounds, bounds[1:], strict=False):
-        if end == start:
+    for q_start, q_end, k_start, k_end in zip(q_bounds, q_bounds[1:], k_bounds, k_bounds[1:], strict=False):
+        if q_end == q_start:
             continue
-        doc = [t[start:end].transpose(0, 1) for t in (q, k, v)]  # (H, n, D)
+        doc = [q[q_start:q_end].transpose(0, 1)] + [t[k_start:k_end].transpose(0, 1) for t in (k, v)]  # (H, n, D)
         gqa = doc[1].shape[0] != doc[0].shape[0]
-        parts.append(F.scaled_dot_product_attention(*doc, is_causal=True, scale=scale, enable_gqa=gqa).transpose(0, 1))
+        n_q, n_k = q_end - q_start, k_end - k_start
+        if n_q == n_k:
+            out = F.scaled_dot_product_attention(*doc, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:  # sdpa's is_causal aligns at the top left: the mask is spelled out
+            mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(n_k - n_q)
+            out = F.scaled_dot_product_attention(*doc, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        parts.append(out.transpose(0, 1))
     return torch.cat(parts) if parts else q.new_zeros(q.shape)

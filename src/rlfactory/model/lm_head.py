@@ -100,6 +100,29 @@ def nll_sum(
     )
 
 
+def logps_at(
+    model: Any,
+    inputs: dict[str, torch.Tensor],
+    rows: torch.Tensor,
+    targets: torch.Tensor,
+    kernels: HeadKernels = HeadKernels(),
+) -> torch.Tensor:
+    """(M,) float32: the log-prob of ``targets[i]`` at flat position ``rows[i]`` of the forward over ``inputs``.
+
+    For layouts where a position predicts more than one trained token (a shared prompt's last position predicts
+    both responses' first tokens: ``stages.preference_data.collate_shared_pairs``), so the targets are given rather
+    than read from the next column, and the rows are taken with ``index_select``, whose backward adds a repeated
+    row's gradients (``select_rows`` writes each row once).
+    """
+    parts = lm_parts(model)
+    if parts is None:
+        logits = model(**inputs, use_cache=False).logits
+        return token_logprobs(logits.flatten(0, 1).index_select(0, rows)[None], targets[None])[0]
+    decoder, head = parts
+    hidden = final_hidden(model, decoder, inputs).flatten(0, 1).index_select(0, rows)
+    return linear_token_logprobs(hidden, head.weight, targets, kernels=kernels)
+
+
 def next_token_logps(
     model: Any,
     inputs: dict[str, torch.Tensor],

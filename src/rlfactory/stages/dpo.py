@@ -29,7 +29,7 @@ from rlfactory.model import reference
 from rlfactory.model.reference import ReferencePolicy
 from rlfactory.render.plain import tokenizer_for
 from rlfactory.stages import common, preference_data
-from rlfactory.stages.preference_data import PAIR_ACCURACY, collate_pairs, forward_logps
+from rlfactory.stages.preference_data import PAIR_ACCURACY, count_pairs, forward_logps, pair_collate
 
 fit_counts = preference_data.fit_counts  # `rlfactory config check`: what data.cutoff_len does to the pairs
 
@@ -70,10 +70,6 @@ def check_loss_type(name: str) -> tuple[Callable[..., Any], dict[str, Any]]:
     if name not in valid:
         raise UserError(f"unknown dpo.loss_type '{name}'{did_you_mean(name, valid)}; valid names: {', '.join(valid)}")
     return PREFERENCE_LOSSES.get(name), PREFERENCE_LOSSES.traits(name)
-
-
-def count_pairs(batch: Batch) -> float:
-    return float(batch["input_ids"].shape[0] // 2)
 
 
 def reference_logps(
@@ -184,7 +180,7 @@ def setup_reference(
             cfg,
             model,
             item_sets,
-            collate=collate_pairs(pad_id),
+            collate=pair_collate(cfg, pad_id),
             batch_size=cfg.train.per_device_batch_size,
             length_normalised=traits["length_normalised"],
             kernels=kernels,
@@ -217,7 +213,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     parts = StageParts(
         train_examples=train_items,
         eval_examples=eval_items,
-        collate=collate_pairs(tokenizer.pad_token_id, ALIGN_COLUMNS, cfg.data.cutoff_len),
+        collate=pair_collate(cfg, tokenizer.pad_token_id, ALIGN_COLUMNS),
         loss_fn=make_loss(cfg.dpo, loss, traits, ref, kernels),
         count_fn=count_pairs,
         before_training=common.score_before(cfg, tokenizer, eval_prompts),

@@ -24,8 +24,7 @@ from rlfactory.data.packing import ALIGN_COLUMNS
 from rlfactory.engine.offline import Batch, StageParts, train
 from rlfactory.render.plain import tokenizer_for
 from rlfactory.stages import common, preference_data
-from rlfactory.stages.dpo import count_pairs
-from rlfactory.stages.preference_data import PAIR_ACCURACY, collate_pairs, forward_logps
+from rlfactory.stages.preference_data import PAIR_ACCURACY, count_pairs, forward_logps, pair_collate
 
 fit_counts = preference_data.fit_counts  # `rlfactory config check`: what data.cutoff_len does to the pairs
 
@@ -75,7 +74,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     parts = StageParts(
         train_examples=train_items,
         eval_examples=eval_items,
-        collate=collate_pairs(tokenizer.pad_token_id, ALIGN_COLUMNS, cfg.data.cutoff_len),
+        collate=pair_collate(cfg, tokenizer.pad_token_id, ALIGN_COLUMNS),
         loss_fn=make_loss(cfg.orpo, head_kernels(cfg.model, cfg.train)),
         count_fn=count_pairs,
         before_training=common.score_before(cfg, tokenizer, eval_prompts),

@@ -7,10 +7,15 @@ through a single forward (half the kernel launches, and the same padding for bot
 marks the response tokens the policy produced: prompt, template glue after the turn and padding are
 never counted. The summary's before -> after numbers are read from the engine's step-0 and final evals,
 so no extra pass over the eval set is made.
+
+``data.share_prompt`` (with ``model.attn_implementation`` sdpa_varlen) lays a micro-batch out as ONE row instead:
+each pair's prompt once, then its chosen and its rejected response (:func:`collate_shared_pairs`), the prompt's keys
+and values read by both responses. The same numbers, and the prompt's tokens are computed once instead of twice.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +25,7 @@ import torch
 
 from rlfactory.algos.common import HeadKernels, masked_sum, token_logprobs
 from rlfactory.config.schema import RunConfig
-from rlfactory.data.packing import padded_width
+from rlfactory.data.packing import BOUNDARY_KEYS, padded_width
 from rlfactory.engine.offline import Batch
 from rlfactory.errors import UserError
 from rlfactory.model.reference import ReferencePolicy
@@ -192,6 +197,95 @@ def collate_pairs(pad_id: int, align: int = 1, cap: int | None = None) -> Callab
     return collate
 
 
+def collate_shared_pairs(items: list[dict]) -> Batch:
+    """B pairs -> ONE row ``[prompt_0, chosen_0, rejected_0, prompt_1, ...]`` for ``data.share_prompt``.
+
+    Two attention documents per pair: prompt + chosen (keys = queries), and the rejected response, whose keys are
+    the prompt's and its own (``kv_index``: the row positions each key document reads, in order; see
+    ``model.attention``). The rejected response's positions continue from the prompt's end, so every token sees what
+    it would see in a row of its own. The trained positions and their targets are listed here on the host:
+    ``logp_rows`` (the position predicting each trained token; a rejected response's first token is predicted from
+    the prompt's last position, as the chosen one's is), ``logp_targets``, ``logp_sides`` (0..B-1 chosen, B..2B-1
+    rejected, the padded layout's row order) and ``logp_counts``; ``score_rows``: each side's last position (rm).
+    """
+    ids: list[int] = []
+    positions: list[int] = []
+    kv_index: list[int] = []
+    q_lengths: list[int] = []
+    k_lengths: list[int] = []
+    rows: list[int] = []
+    targets: list[int] = []
+    sides: list[int] = []
+    score_rows = [0] * (2 * len(items))
+    pairs = len(items)
+    for pair, item in enumerate(items):
+        start = len(ids)
+        prompt, chosen, rejected = item["prompt_ids"], item["chosen_ids"], item["rejected_ids"]
+        p, c, r = len(prompt), len(chosen), len(rejected)
+        ids += prompt + chosen + rejected
+        positions += list(range(p + c)) + list(range(p, p + r))
+        kv_index += list(range(start, start + p + c)) + list(range(start, start + p))
+        kv_index += list(range(start + p + c, start + p + c + r))
+        q_lengths += [p + c, r]
+        k_lengths += [p + c, p + r]
+        both_sides = (
+            (pair, start + p, chosen, item["chosen_mask"]),
+            (pairs + pair, start + p + c, rejected, item["rejected_mask"]),
+        )
+        for side, first, response, mask in both_sides:
+            for j, (token, trained) in enumerate(zip(response, mask, strict=True)):
+                if trained:
+                    rows.append(start + p - 1 if j == 0 else first + j - 1)
+                    targets.append(token)
+                    sides.append(side)
+            score_rows[side] = first + len(response) - 1
+    q_bounds = list(itertools.accumulate(q_lengths, initial=0))
+    k_bounds = list(itertools.accumulate(k_lengths, initial=0))
+    batch = {
+        "input_ids": torch.tensor([ids], dtype=torch.long),
+        "position_ids": torch.tensor([positions], dtype=torch.long),
+        "kv_index": torch.tensor(kv_index, dtype=torch.long),
+        "cu_seq_lens_q": torch.tensor(q_bounds, dtype=torch.int32),
+        "cu_seq_lens_k": torch.tensor(k_bounds, dtype=torch.int32),
+        "max_length_q": max(q_lengths),
+        "max_length_k": max(k_lengths),
+        "logp_rows": torch.tensor(rows, dtype=torch.long),
+        "logp_targets": torch.tensor(targets, dtype=torch.long),
+        "logp_sides": torch.tensor(sides, dtype=torch.long),
+        "logp_counts": torch.bincount(torch.tensor(sides, dtype=torch.long), minlength=2 * pairs).float(),
+        "score_rows": torch.tensor(score_rows, dtype=torch.long),
+        "margin": torch.tensor([float(it.get("margin") or 0.0) for it in items]),
+    }
+    if "ref_chosen_logps" in items[0]:
+        batch["ref_logps"] = torch.tensor(
+            [it["ref_chosen_logps"] for it in items] + [it["ref_rejected_logps"] for it in items]
+        )
+    return batch
+
+
+SHARED_INPUTS = ("input_ids", "position_ids", "kv_index", *BOUNDARY_KEYS)  # the model's inputs of a shared row
+
+
+def pair_collate(cfg: RunConfig, pad_id: int, align: int = 1) -> Callable[[list[dict]], Batch]:
+    """The run's pair layout: one shared-prompt row (``data.share_prompt``), else 2B padded rows."""
+    if cfg.data.share_prompt:
+        from rlfactory.model.attention import NAME, resolved_attention
+
+        attention = resolved_attention(cfg.model)
+        if attention != NAME:
+            raise UserError(
+                f"data.share_prompt needs model.attn_implementation {NAME} (this run resolves to {attention}): "
+                f"set model.attn_implementation: {NAME}, or remove data.share_prompt"
+            )
+        return collate_shared_pairs
+    return collate_pairs(pad_id, align, cfg.data.cutoff_len)
+
+
+def count_pairs(batch: Batch) -> float:
+    """Pairs in a batch of either layout (the loss's unit for rm, dpo and orpo)."""
+    return float(batch["margin"].shape[0])
+
+
 def sequence_logps(
     logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,8 +312,14 @@ def forward_logps(
     ``kernels``), so the (2B, T, V) logits never exist. ``attention_mask`` may be absent (no padding: sdpa's
     causal path).
     """
-    from rlfactory.model.lm_head import next_token_logps
+    from rlfactory.model.lm_head import logps_at, next_token_logps
 
+    if f"{prefix}kv_index" in batch:  # one shared-prompt row: the trained positions were listed by the collate
+        inputs = {key: batch[f"{prefix}{key}"] for key in SHARED_INPUTS}
+        picked = logps_at(model, inputs, batch[f"{prefix}logp_rows"], batch[f"{prefix}logp_targets"], kernels)
+        counts = batch[f"{prefix}logp_counts"]
+        sums = picked.new_zeros(counts.shape[0]).index_add(0, batch[f"{prefix}logp_sides"], picked)
+        return sums, sums / counts.clamp(min=1)
     inputs = {"input_ids": batch[f"{prefix}input_ids"]}
     if f"{prefix}attention_mask" in batch:
         inputs["attention_mask"] = batch[f"{prefix}attention_mask"]

@@ -24,8 +24,7 @@ from rlfactory.engine.offline import Batch, StageParts, train
 from rlfactory.errors import UserError
 from rlfactory.render.plain import tokenizer_for
 from rlfactory.stages import common, preference_data
-from rlfactory.stages.dpo import count_pairs
-from rlfactory.stages.preference_data import collate_pairs
+from rlfactory.stages.preference_data import SHARED_INPUTS, count_pairs, pair_collate
 
 fit_counts = preference_data.fit_counts  # `rlfactory config check`: what data.cutoff_len does to the pairs
 
@@ -60,12 +59,31 @@ def check_margins(section: RMConfig, examples: list[dict]) -> None:
         )
 
 
+def pair_rewards(model: Any, batch: Batch) -> torch.Tensor:
+    """(2B,) float32 rewards, chosen first: the classifier's pooled score of each padded row, or, for one
+    shared-prompt row (``data.share_prompt``), the score head's output at each response's last position (the
+    classifier's own pooling would take the row's last token only)."""
+    if "kv_index" not in batch:
+        out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False)
+        return out.logits[:, 0].float()
+    from rlfactory.model.heads import SCORE_HEAD
+
+    base = getattr(model, "module", model)  # DDP
+    base = base.get_base_model() if hasattr(base, "get_base_model") else base  # PEFT
+    scores: list[torch.Tensor] = []
+    handle = getattr(base, SCORE_HEAD).register_forward_hook(lambda _m, _a, out: scores.append(out))
+    try:
+        model(**{key: batch[key] for key in SHARED_INPUTS}, use_cache=False)
+    finally:
+        handle.remove()
+    return scores[-1].flatten(0, 1).index_select(0, batch["score_rows"])[:, 0].float()
+
+
 def make_loss(section: RMConfig) -> Callable[[Any, Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """loss_fn(model, batch) -> (summed per-pair loss, metrics: accuracy and rewards/*)."""
 
     def reward_loss(model: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False)
-        chosen, rejected = out.logits[:, 0].float().chunk(2)
+        chosen, rejected = pair_rewards(model, batch).chunk(2)
         margin = batch["margin"] if section.margin_column else 0.0
         losses = bradley_terry(chosen, rejected, margin, section.center_rewards_coefficient)
         chosen, rejected = chosen.detach(), rejected.detach()
@@ -101,7 +119,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     parts = StageParts(
         train_examples=train_items,
         eval_examples=eval_items,
-        collate=collate_pairs(tokenizer.pad_token_id, ALIGN_COLUMNS, cfg.data.cutoff_len),
+        collate=pair_collate(cfg, tokenizer.pad_token_id, ALIGN_COLUMNS),
         loss_fn=make_loss(cfg.rm),
         count_fn=count_pairs,
     )
