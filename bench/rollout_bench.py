@@ -294,7 +294,7 @@ def _grpo_cfg(args, model_dir: Path, out: Path, backend: str, sync: str, sleep: 
             # micro-batch); sdpa, the default, packs rows as long as the longest sample (:padded: no packing)
             **({"attn_implementation": "flex_attention"} if args.flex else {}),
             # :varlen: sdpa_varlen, a micro-batch as one packed row through torch's flash-attention varlen kernel
-            **({"attn_implementation": "sdpa_varlen"} if args.varlen else {}),
+            **({"attn_implementation": "sdpa_varlen"} if args.varlen or args.shared else {}),
         },
         "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear", "dropout": 0.0},
         "data": {"dataset": "arith_prompts", "dataset_dir": str(ROOT / "data")},
@@ -312,7 +312,8 @@ def _grpo_cfg(args, model_dir: Path, out: Path, backend: str, sync: str, sleep: 
             "overlap": args.overlap,
             # :greenN: while an overlapped round generates, the update's kernels on N SMs (a CUDA green context)
             "overlap_update_sms": args.update_sms,
-            "packing": "off" if args.padded else "auto",
+            # :shared: rollout.packing shared, each group's prompt computed once per micro-batch (sdpa_varlen)
+            "packing": "off" if args.padded else "shared" if args.shared else "auto",
             # :misN: the sampled tokens' log-probs (mismatch metrics) on one step in N only
             "mismatch_every": args.mismatch_every,
             # :tokN: micro-batches of at most N prompt + response tokens (and at most the micro-batch's samples)
@@ -455,6 +456,7 @@ def case_grpo(args, model_dir: Path) -> dict:
         "varlen": args.varlen,
         "attention": resolved_attention(RunConfig.model_validate(cfg).model),  # what `auto` (the default) became
         "padded": args.padded,
+        "shared": args.shared,
         "mismatch_every": args.mismatch_every,
         "micro_batch_tokens": args.micro_tokens,
         "switch_interval_us": round(sys.getswitchinterval() * 1e6),
@@ -484,7 +486,8 @@ def case_grpo(args, model_dir: Path) -> dict:
     }
 
 
-RUN_FIELDS = {"compile", "overlap", "flex", "varlen", "padded", "fixedseg", "fp8", "kvfp8"}  # each a --flag of a case
+# each a --flag of a case
+RUN_FIELDS = {"compile", "overlap", "flex", "varlen", "padded", "shared", "fixedseg", "fp8", "kvfp8"}
 NUMBERED_FIELDS = {"mis": "--mismatch-every", "tok": "--micro-tokens", "switch": "--switch-us", "green": "--update-sms"}
 
 
@@ -696,6 +699,7 @@ def table(results: list[dict]) -> str:
                 name += " +flex (packed)" if r.get("flex") else ""
                 name += " +sdpa_varlen (one packed row)" if r.get("varlen") else ""
                 name += " +padded" if r.get("padded") else ""
+                name += " +shared prompts" if r.get("shared") else ""
                 name += " +fixed segments" if "expandable_segments:False" in r.get("alloc_conf", "") else ""
                 name += f" +mismatch_every {r['mismatch_every']}" if r.get("mismatch_every", 1) > 1 else ""
                 name += f" +micro_batch_tokens {r['micro_batch_tokens']}" if r.get("micro_batch_tokens") else ""
@@ -736,7 +740,8 @@ def main() -> None:
         "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False; the online stages use expandable ones by default "
         "without sleep mode), :greenN rollout.overlap_update_sms N, :fp8 / :kvfp8 rollout.engine_args quantization / "
         "kv_cache_dtype fp8, :flex flex attention with packed "
-        "updates, :varlen model.attn_implementation sdpa_varlen (e.g. adapter:64:compile:overlap)",
+        "updates, :varlen model.attn_implementation sdpa_varlen, :shared rollout.packing shared (with sdpa_varlen) "
+        "(e.g. adapter:64:compile:overlap)",
     )
     parser.add_argument("--sleep-runs", default="adapter:64,merged:64", help="memory: the same, with sleep mode")
     parser.add_argument("--gpu-mem", type=float, default=0.3, help="vLLM gpu_memory_utilization (both)")
@@ -792,6 +797,7 @@ def main() -> None:
     parser.add_argument("--flex", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--varlen", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--padded", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--shared", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--fixedseg", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mismatch-every", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--micro-tokens", type=int, default=None, help=argparse.SUPPRESS)

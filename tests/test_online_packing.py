@@ -23,6 +23,7 @@ from rlfactory.engine.online.update import (
     actor_loss_fn,
     critic_loss_fn,
     host_lengths,
+    host_prompt_groups,
     packed_micro_batch,
     policy_forward,
     value_forward,
@@ -57,10 +58,10 @@ def model():
     return _load("sdpa", torch.float64)
 
 
-@pytest.fixture(scope="module")
-def batch():
+def _noisy_batch(prompts: list[list[int]], completions: list[Completion]):
+    """The rollouts as a padded batch with random advantages, returns and values on the response tokens."""
     torch.manual_seed(0)
-    packed = pack_rollouts(PROMPTS, COMPLETIONS, pad_id=0, mask_truncated=False)
+    packed = pack_rollouts(prompts, completions, pad_id=0, mask_truncated=False)
     noise = lambda scale: torch.randn(packed.responses.shape, dtype=torch.float64) * scale * packed.response_mask
     packed.advantages = noise(1.0)
     packed.returns = noise(1.0)
@@ -68,8 +69,14 @@ def batch():
     return packed
 
 
+@pytest.fixture(scope="module")
+def batch():
+    return _noisy_batch(PROMPTS, COMPLETIONS)
+
+
 def _packed(batch, rows: list[int], layout: str = "row") -> PackedRows:
-    return packed_micro_batch(batch, *host_lengths(batch), rows, layout)
+    groups = host_prompt_groups(batch) if layout == "shared" else None
+    return packed_micro_batch(batch, *host_lengths(batch), rows, layout, groups)
 
 
 LAYOUTS = pytest.mark.parametrize("layout", ["row", "rows"])  # one row (flash / flex), rows (sdpa / eager)
@@ -212,6 +219,19 @@ def _loss_and_grads(model, batch, splits: list[list[int]], packing: str | None, 
         loss.backward()
         total += float(loss.detach())
     return total, [p.grad.clone() for p in net.parameters() if p.grad is not None]
+
+
+def _varlen_and_padded_gradients(model, varlen_model, batch, splits, layout: str, alg: AlgorithmConfig):
+    """(varlen gradient, padded gradient) of every parameter for the actor's loss over ``splits`` (old log-probs !=
+    current ones), ``layout`` on the sdpa_varlen model against padded rows; the losses agree to a float32 ulp."""
+    with torch.no_grad():
+        current, _ = policy_forward(model, batch, torch.arange(batch.responses.shape[0]))
+    scored = replace(batch, old_logprobs=current.double() + 0.05 * batch.advantages, ref_logprobs=current.double())
+    padded, padded_grads = _loss_and_grads(copy.deepcopy(model), scored, splits, None, alg)
+    packed, packed_grads = _loss_and_grads(copy.deepcopy(varlen_model), scored, splits, layout, alg)
+    assert packed == pytest.approx(padded, rel=4 * EPS32, abs=4 * EPS32) and padded != 0
+    assert len(packed_grads) == len(padded_grads) == len(list(model.parameters()))
+    return list(zip(packed_grads, padded_grads, strict=True))
 
 
 @LAYOUTS
@@ -362,6 +382,12 @@ def test_sdpa_varlen_runs_one_packed_row_by_its_documents_with_the_padded_number
     lengths = [p + r for p, r in zip(prompt, response, strict=True)]
     assert packed.cu_seqlens.tolist() == [0, *itertools.accumulate(lengths)] and packed.max_length == max(lengths)
     assert packed.cu_seqlens.dtype == torch.int32 and _packed(batch, rows.tolist(), "rows").cu_seqlens is None
+    _assert_varlen_logprobs_are_padded_ones(model, varlen_model, batch, rows, packed, per_document_calls)
+
+
+def _assert_varlen_logprobs_are_padded_ones(model, varlen_model, batch, rows, packed, per_document_calls) -> None:
+    """Log-probs and entropies of ``packed`` on the sdpa_varlen model equal padded sdpa's (bound as the other
+    layouts'), and every layer's attention took the per-document path."""
     with torch.no_grad():
         padded, padded_ent = policy_forward(model, batch, rows, 0.7, "metric")
         varlen, varlen_ent = policy_forward(varlen_model, batch, rows, 0.7, "metric", packed=packed)
@@ -398,16 +424,8 @@ def test_sdpa_varlen_updates_and_critic_give_the_padded_loss_and_gradients(model
     critic's values on the varlen trunk (its ``forward`` passes the boundaries on), equal padded sdpa's."""
     from rlfactory.model.value_head import ValueModel
 
-    with torch.no_grad():
-        current, _ = policy_forward(model, batch, torch.arange(len(PROMPTS)))
-    scored = replace(batch, old_logprobs=current.double() + 0.05 * batch.advantages, ref_logprobs=current.double())
     alg = AlgorithmConfig(adv_estimator="grpo", loss_agg=agg, kl_loss_coef=0.1, entropy_coef=0.01)
-    splits = [[1, 5, 2], [0, 4, 3]]
-    padded, padded_grads = _loss_and_grads(copy.deepcopy(model), scored, splits, None, alg)
-    packed, packed_grads = _loss_and_grads(copy.deepcopy(varlen_model), scored, splits, "row", alg)
-    assert packed == pytest.approx(padded, rel=4 * EPS32, abs=4 * EPS32) and padded != 0
-    assert len(packed_grads) == len(padded_grads) == len(list(model.parameters()))
-    for a, b in zip(packed_grads, padded_grads, strict=True):
+    for a, b in _varlen_and_padded_gradients(model, varlen_model, batch, [[1, 5, 2], [0, 4, 3]], "row", alg):
         assert (a - b).abs().max() <= 1024 * EPS64 * b.abs().max()
     critics = [ValueModel(copy.deepcopy(net)).double() for net in (model, varlen_model)]
     for critic in critics:
@@ -530,3 +548,163 @@ def test_sdpa_varlen_generates_what_sdpa_generates(model, varlen_model):
     sdpa = model.generate(**prompts, max_new_tokens=12, do_sample=False)
     varlen = varlen_model.generate(**prompts, max_new_tokens=12, do_sample=False)
     assert torch.equal(sdpa, varlen) and sdpa.shape[1] > prompts["input_ids"].shape[1]
+
+
+# --------------------------------------------------------------------------- rollout.packing: shared
+# three prompts, sampled 3, 2 and 1 times (a group's samples are consecutive rows); one later sample has no response
+# tokens, one has a tool result in its response (masked)
+GROUP_PROMPTS = [[5, 6, 7]] * 3 + [[19, 3]] * 2 + [[20, 21, 22, 23, 24]]
+GROUP_COMPLETIONS = [
+    Completion([40], "stop"),
+    Completion([41 + i % 50 for i in range(MAX_LEN)], "length"),
+    Completion([], "stop"),
+    Completion([60, 61, 62, 63, 64, 65, 2], "stop"),
+    Completion([70 + i % 30 for i in range(37)] + [2], "stop", mask=[1] * 20 + [0] * 5 + [1] * 13),
+    Completion([90 + i % 20 for i in range(15)] + [2], "stop"),
+]
+
+
+@pytest.fixture(scope="module")
+def grouped():
+    return _noisy_batch(GROUP_PROMPTS, GROUP_COMPLETIONS)
+
+
+def test_the_shared_layout_holds_each_prompt_once_token_exactly():
+    """Rows of prompt/response lengths 2/2, 2/1 (the first row's prompt) and 1/2 in a batch of 2 prompt and 2
+    response columns, laid out by hand: the second row's response follows the first row's, its keys are that prompt's
+    and its own, its first token is predicted from the prompt's last position, its positions continue the prompt's."""
+    packed = PackedRows.build([2, 2, 1], [2, 1, 2], 2, 2, "shared", [0, 0, 2])
+    assert packed.gather.tolist() == [0, 1, 2, 3, 6, 9, 10, 11]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1, 2]]
+    assert packed.kv_index.tolist() == [0, 1, 2, 3, 0, 1, 4, 5, 6, 7]
+    assert packed.cu_seqlens.tolist() == [0, 4, 5, 8] and packed.cu_seqlens_k.tolist() == [0, 4, 7, 10]
+    assert (packed.max_length, packed.max_length_k) == (4, 4)
+    assert packed.keep.tolist() == [1, 2, 1, 5, 6] and packed.targets.tolist() == [2, 3, 4, 6, 7]
+    assert packed.place.tolist() == [0, 1, 2, 4, 5] and (packed.rows, packed.width) == (3, 2)
+
+
+def test_prompt_groups_are_read_from_the_rows(grouped, batch):
+    assert host_prompt_groups(grouped) == [0, 0, 0, 3, 3, 5]
+    assert host_prompt_groups(batch) == list(range(len(PROMPTS)))  # six different prompts: nothing shared
+
+
+def test_shared_rows_give_the_padded_log_probs_entropies_and_values(model, varlen_model, grouped, per_document_calls):
+    """Log-probs and entropies (float64, as the other layouts), and a critic's values on the varlen trunk."""
+    from rlfactory.model.value_head import ValueModel
+
+    rows = torch.arange(len(GROUP_PROMPTS))
+    packed = _packed(grouped, rows.tolist(), "shared")
+    assert (
+        packed.gather.numel()
+        == sum(map(len, GROUP_PROMPTS)) + sum(len(c.token_ids) for c in GROUP_COMPLETIONS) - 3 - 3 - 2
+    )
+    _assert_varlen_logprobs_are_padded_ones(model, varlen_model, grouped, rows, packed, per_document_calls)
+    critics = [ValueModel(copy.deepcopy(net)).double() for net in (model, varlen_model)]
+    for critic in critics:
+        torch.manual_seed(1)
+        torch.nn.init.normal_(critic.value_head.weight, std=0.1)
+    with torch.no_grad():
+        padded_values = value_forward(critics[0], grouped, rows)
+        shared_values = value_forward(critics[1], grouped, rows, packed=packed)
+    assert (shared_values - padded_values).abs().max() <= 1024 * EPS64 * padded_values.abs().max()
+    assert padded_values.abs().max() > 0
+
+
+@pytest.mark.parametrize("splits", [[[0, 1, 2, 3, 4, 5]], [[1, 3, 0], [4, 5, 2]]], ids=["whole", "split-groups"])
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.01], ids=["chunked-head", "full-logits"])
+def test_shared_updates_give_the_padded_loss_and_gradients(model, varlen_model, grouped, splits, entropy_coef):
+    """The actor's loss and every gradient, with a group's prompt shared by its samples in a micro-batch (also when a
+    group is split over micro-batches); the prompt's last position feeds several samples' first tokens, so its
+    gradients must add. Without an entropy loss the LM head runs chunked on the kept positions' hidden states, with
+    it on the full logits (``policy_forward``)."""
+    alg = AlgorithmConfig(adv_estimator="grpo", loss_agg="token-mean", kl_loss_coef=0.1, entropy_coef=entropy_coef)
+    # the log-probs are float32: a later sample's attention (its own mask shape) can round one to the neighbouring
+    # float32, and the loss's gradient carries that (measured: 8e-8 of the largest gradient); a gradient that missed
+    # a sample's share of the prompt would be off by far more
+    for a, b in _varlen_and_padded_gradients(model, varlen_model, grouped, splits, "shared", alg):
+        assert (a - b).abs().max() <= 8 * EPS32 * b.abs().max()
+
+
+def test_the_update_puts_a_groups_samples_side_by_side_within_each_mini_batch():
+    from rlfactory.engine.online.update import _grouped
+
+    order = torch.tensor([5, 0, 3, 1, 4, 2])
+    assert _grouped(order, [0, 0, 0, 3, 3, 5], 2).tolist() == [0, 3, 5, 1, 2, 4]  # the same rows per mini-batch
+    assert _grouped(order, [0, 1, 2, 3, 4, 5], 1).tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_shared_update_with_a_token_budget_takes_the_padded_step(model, varlen_model, grouped):
+    """The Updater with packing "shared" and a token budget (micro-batches of a few samples) takes the optimizer step
+    of padded micro-batches (float64 parameters)."""
+    from accelerate import Accelerator
+
+    alg = AlgorithmConfig(adv_estimator="grpo", entropy_coef=0.01, num_mini_batches=2)
+
+    def update(net, packing, micro):
+        net = copy.deepcopy(net)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+        updater = Updater(Accelerator(cpu=True), net, optimizer, scheduler, max_grad_norm=None)
+        updater.packing = packing
+        torch.manual_seed(0)  # the update's shuffle of the rows
+        updater.run(grouped, alg, micro, grouped.loss_mask, actor_loss_fn(net, grouped, alg, 0.7, MAX_LEN), "actor")
+        return net
+
+    padded = update(model, None, MicroBatching(8))
+    shared = update(varlen_model, "shared", MicroBatching(8, tokens=60))
+    with torch.no_grad():
+        pairs = zip(padded.parameters(), model.parameters(), strict=True)
+        moved = max(float((b - before).abs().max()) for b, before in pairs)
+        assert moved > 1e-6
+        for a, b in zip(shared.parameters(), padded.parameters(), strict=True):
+            assert (a - b).abs().max() <= 8 * EPS32 * moved  # the step's float32 log-prob rounding, as above
+
+
+def test_shared_packing_setting(tmp_path):
+    from rlfactory.engine.online.loop import packing_on
+    from rlfactory.errors import UserError
+
+    cfg = _varlen_grpo_config(tmp_path)
+    assert packing_on(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"packing": "shared"})})) == (
+        "shared"
+    )
+    sdpa = cfg.model_copy(
+        update={
+            "rollout": cfg.rollout.model_copy(update={"packing": "shared"}),
+            "model": cfg.model.model_copy(update={"attn_implementation": "sdpa"}),
+        }
+    )
+    with pytest.raises(UserError, match="rollout.packing shared needs model.attn_implementation sdpa_varlen"):
+        packing_on(sdpa)
+
+
+@pytest.mark.slow
+def test_a_grpo_run_with_shared_prompts_logs_the_packed_runs_first_step(tmp_path):
+    """Through the CLI, one step of grpo (4 prompts x 4 samples, sdpa_varlen) with rollout.packing shared and with
+    one packed row: the same rollouts (the same seed and starting weights), so the same loss, gradient norm and KL,
+    to float32 rounding."""
+    from tests.conftest import run_cli, write_yaml
+    from tests.test_stage_grpo import grpo_config
+
+    from rlfactory.engine.run_dir import read_log
+
+    records = {}
+    for packing in ("auto", "shared"):
+        cfg = grpo_config(
+            tmp_path / packing,
+            model={"attn_implementation": "sdpa_varlen"},
+            rollout={"num_samples": 4, "packing": packing, "temperature": 2.0},
+            train={"max_steps": 1},
+            algorithm={"kl_loss_coef": 0.1},
+            reward={"functions": {"length_penalty": 1.0}},  # lengths vary within groups: advantages do too
+        )
+        del cfg["evaluation"]
+        (tmp_path / packing).mkdir()
+        result = run_cli("train", str(write_yaml(tmp_path / packing / "run.yaml", cfg)))
+        assert result.returncode == 0, result.stderr[-3000:]
+        records[packing] = next(r for r in read_log(tmp_path / packing / "out") if "score/mean" in r)
+    assert "rollout.packing shared: micro-batches train as one row" in result.stderr + result.stdout
+    auto, shared = records["auto"], records["shared"]
+    assert shared["response_length/mean"] == auto["response_length/mean"] and auto["actor/grad_norm"] > 0
+    for key in ("loss", "actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+        assert shared[key] == pytest.approx(auto[key], rel=1e-5, abs=1e-6), key

@@ -64,7 +64,7 @@ class RolloutConfig(Section):
         le=1.0,
         description="Min-p sampling: drop tokens below min_p x the top token's probability (0: off)",
     )
-    packing: Literal["auto", "on", "off"] = Field(
+    packing: Literal["auto", "on", "off", "shared"] = Field(
         "auto",
         description="Padding-free training passes: the reference / old log-prob passes, the critic's values and the "
         "update run each micro-batch of rollouts packed, samples back to back with position ids restarting at each "
@@ -74,7 +74,9 @@ class RolloutConfig(Section):
         "row's whole attention) rows as long as the longest sample, so attention costs no more than padded. auto: "
         "on, except for a model with its own code (model.trust_remote_code), which may ignore packed position ids; "
         "on: always (only for models whose attention builds its mask from position ids, as transformers' own models "
-        "do); off: padded.",
+        "do); off: padded. shared: one row in which each prompt is computed once per micro-batch, its group's other "
+        "samples attending to its keys (the same numbers; needs model.attn_implementation sdpa_varlen; the update "
+        "puts a mini-batch's samples of one prompt side by side so they share micro-batches).",
     )
     micro_batch_tokens: int | None = Field(
         None,

@@ -83,6 +83,16 @@ def packing_on(cfg: RunConfig) -> PackLayout:
         return None
     if setting == "off":
         return None
+    if setting == "shared":  # each group's prompt once per micro-batch: keys read through kv_index (sdpa_varlen)
+        from rlfactory.model.attention import NAME
+
+        if (attention := resolved_attention(model)) != NAME:
+            raise UserError(
+                f"rollout.packing shared needs model.attn_implementation {NAME} (this run resolves to {attention}): "
+                f"set model.attn_implementation: {NAME}, or rollout.packing: auto"
+            )
+        log.info("rollout.packing shared: micro-batches train as one row, each prompt computed once per micro-batch")
+        return "shared"
     layout = "row" if resolved_attention(model) in SPARSE_ATTENTION else "rows"
     log.info("rollout.packing %s: micro-batches train as padding-free %s (their real tokens)", setting, layout)
     return layout

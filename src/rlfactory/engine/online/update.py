@@ -38,7 +38,13 @@ from rlfactory.algos.common import (
 )
 from rlfactory.config.schema import AlgorithmConfig
 from rlfactory.data.packing import ALIGN_COLUMNS, MicroBatching, round_up
-from rlfactory.engine.online.packed_rows import PackedRows, PackLayout, host_lengths, packed_micro_batch
+from rlfactory.engine.online.packed_rows import (
+    PackedRows,
+    PackLayout,
+    host_lengths,
+    host_prompt_groups,
+    packed_micro_batch,
+)
 from rlfactory.engine.shared import NonFiniteGuard, autocast_forward, backward, clip_grad_norm
 from rlfactory.model.lm_head import final_hidden, lm_parts, select_rows
 from rlfactory.rollout.batch import RolloutBatch, response_logits
@@ -94,7 +100,7 @@ def policy_forward(
     """
     if packed is not None:
         inputs = packed.inputs(batch, rows)
-        targets = inputs["input_ids"].reshape(-1)[packed.keep + 1][None]  # each kept position predicts the next
+        targets = packed.target_ids(inputs)
         width_r = packed.width
     else:
         inputs, width_r = _trimmed(batch, rows, width)
@@ -105,9 +111,12 @@ def policy_forward(
         hidden = final_hidden(model, decoder, inputs)
         # the positions that predict response tokens: the packed row's kept ones, or each row's last width_r + 1
         # but the last (what logits_to_keep selects below)
-        picked = (
-            select_rows(hidden.flatten(0, 1), packed.keep) if packed is not None else hidden[:, -(width_r + 1) : -1]
-        )
+        if packed is None:
+            picked = hidden[:, -(width_r + 1) : -1]
+        elif packed.kv_index is not None:  # a shared prompt's last position is kept once per sample: gradients add
+            picked = hidden.flatten(0, 1).index_select(0, packed.keep)
+        else:
+            picked = select_rows(hidden.flatten(0, 1), packed.keep)
         flat = picked.reshape(-1, picked.shape[-1])
         flat = flat / temperature if temperature != 1.0 else flat  # (h / T) @ W.T = logits / T
         # detached without gradient: Liger's kernel forms the weight's gradient in its forward when it requires one
@@ -146,15 +155,39 @@ def value_forward(
     return _to_full_width(response_logits(critic(**inputs), width_r), batch, rows)
 
 
-def _lengths(batch: Batch, packing: PackLayout, micro: MicroBatching) -> tuple[list[int], list[int], list[int]]:
-    """Each row's prompt and response length on the host (the prompts' only where packing or a token budget needs
-    them), and the counts ``micro`` cuts by: prompt + response under a token budget, else the response."""
+@dataclass
+class HostRows:
+    """What the passes read about the batch's rows on the host, once per pass: each row's prompt length (where
+    packing or a token budget needs it), response length, the count ``micro`` cuts by (prompt + response under a
+    token budget, else the response) and, for packing "shared", each row's prompt group (``host_prompt_groups``)."""
+
+    prompt: list[int]
+    response: list[int]
+    tokens: list[int]
+    prompt_of: list[int] | None = None
+
+    def packed(self, batch: Batch, rows: list[int], packing: PackLayout) -> PackedRows | None:
+        """The micro-batch ``rows`` packed in ``packing`` (None: padded)."""
+        if not packing:
+            return None
+        return packed_micro_batch(batch, self.prompt, self.response, rows, packing, self.prompt_of)
+
+
+def _lengths(batch: Batch, packing: PackLayout, micro: MicroBatching) -> HostRows:
+    """The batch's ``HostRows``."""
     if not packing and micro.tokens is None:
         response = batch.response_length.long().tolist()
-        return [], response, response
+        return HostRows([], response, response)
     prompt, response = host_lengths(batch)
     tokens = [p + r for p, r in zip(prompt, response, strict=True)] if micro.tokens is not None else response
-    return prompt, response, tokens
+    return HostRows(prompt, response, tokens, host_prompt_groups(batch) if packing == "shared" else None)
+
+
+def _grouped(order: torch.Tensor, prompt_of: list[int], mini_batches: int) -> torch.Tensor:
+    """``order`` with each mini-batch's rows sorted by prompt group (stable, so the random order stays within a
+    group): the same rows per mini-batch, hence the same update, with a group's samples in the same micro-batches."""
+    chunks = torch.tensor_split(order, mini_batches)
+    return torch.cat([c[torch.tensor(sorted(range(len(c)), key=lambda i: prompt_of[int(c[i])]))] for c in chunks])
 
 
 @torch.no_grad()
@@ -164,12 +197,12 @@ def full_pass(
     """``fn(rows, width, packed) -> (b, R)`` over the whole batch in micro-batches (no gradient); ``width`` is the
     micro-batch's longest response, read from the host once for the whole pass; ``packed`` its padding-free row
     (``packing``) or None."""
-    prompt, lengths, tokens = _lengths(batch, packing, micro)
+    host = _lengths(batch, packing, micro)
     out = []
-    for start, end in micro.spans(tokens):
+    for start, end in micro.spans(host.tokens):
         chunk = torch.arange(start, end, device=batch.responses.device)
-        packed = packed_micro_batch(batch, prompt, lengths, list(range(start, end)), packing) if packing else None
-        out.append(fn(chunk, max(lengths[start:end]), packed).float())
+        packed = host.packed(batch, list(range(start, end)), packing)
+        out.append(fn(chunk, max(host.response[start:end]), packed).float())
     return torch.cat(out)
 
 
@@ -329,10 +362,13 @@ class Updater:
         world = 1 if self.ranks is None else self.ranks.world
         # row order, lengths and which mini-batches have tokens live on the host: every micro-batch's shape is
         # known without asking the GPU, so the CPU queues micro-batches back to back (one sync per call)
-        prompt, response, tokens = _lengths(batch, self.packing, micro)
+        host = _lengths(batch, self.packing, micro)
+        response, tokens = host.response, host.tokens
         has_tokens = (mask.sum(-1) > 0).cpu()
         for _ in range(alg.ppo_epochs):
             order = torch.randperm(len(response))
+            if host.prompt_of is not None:  # a mini-batch's samples of one prompt side by side: they share it
+                order = _grouped(order, host.prompt_of, alg.num_mini_batches)
             order_on_device = (order.pin_memory() if device.type == "cuda" else order).to(device, non_blocking=True)
             minis = list(
                 zip(
@@ -356,9 +392,7 @@ class Updater:
                     pos = torch.arange(start, end, device=device)
                     host_rows = order_host[start:end]
                     width = max(response[i] for i in host_rows)
-                    packed = (
-                        packed_micro_batch(batch, prompt, response, host_rows, self.packing) if self.packing else None
-                    )
+                    packed = host.packed(batch, host_rows, self.packing)
                     rows = mini_rows[pos]
                     last = (start, end) == spans[-1]
                     with nullcontext() if last or world == 1 else self.accelerator.no_sync(self.model):
