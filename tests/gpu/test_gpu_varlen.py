@@ -79,20 +79,27 @@ def _three_models():
     return reference, padded_model, varlen_model
 
 
-def test_a_packed_row_through_compiled_varlen_layers_gives_the_padded_logprobs():
+@pytest.mark.parametrize("layout", ["row", "shared"])
+def test_a_packed_row_through_compiled_varlen_layers_gives_the_padded_logprobs(layout: str):
     """A two-layer Qwen2 shape, layers compiled as train.torch_compile compiles them: the packed row's bfloat16
     log-probs (varlen) are as close to float32 padded sdpa's as bfloat16 padded sdpa's are (twice their largest
-    error, plus a few bfloat16 ulps), and the varlen kernel did run."""
+    error, plus a few bfloat16 ulps), and the varlen kernel did run. "shared" (``rollout.packing: shared``): groups
+    of samples of one prompt, each prompt computed once."""
+    from rlfactory.engine.online.packed_rows import host_prompt_groups
     from rlfactory.engine.online.update import host_lengths, packed_micro_batch, policy_forward
     from rlfactory.rollout.base import Completion
     from rlfactory.rollout.batch import pack_rollouts
 
     reference, padded_model, varlen_model = _three_models()
     prompts = [[5, 6, 7], list(range(10, 40)), [19]]
-    completions = [Completion([40 + i % 50 for i in range(n)], "length") for n in (700, 3, 64)]
+    lengths = (700, 3, 64)
+    if layout == "shared":  # three samples of the long prompt, two of the first
+        prompts, lengths = [prompts[0]] * 2 + [prompts[1]] * 3 + [prompts[2]], (700, 5, 3, 400, 90, 64)
+    completions = [Completion([40 + (i * (n + 1)) % 50 for i in range(n)], "length") for n in lengths]
     batch = pack_rollouts(prompts, completions, pad_id=0, mask_truncated=False).to("cuda")
     rows = torch.arange(len(prompts), device="cuda")
-    packed = packed_micro_batch(batch, *host_lengths(batch), list(range(len(prompts))), "row")
+    groups = host_prompt_groups(batch) if layout == "shared" else None
+    packed = packed_micro_batch(batch, *host_lengths(batch), list(range(len(prompts))), layout, groups)
     ran = []
     inner = attention._flash_varlen
     attention._flash_varlen = lambda *a, **k: ran.append(1) or inner(*a, **k)
