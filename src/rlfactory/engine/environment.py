@@ -41,6 +41,19 @@ def environment_problems(cfg: RunConfig) -> list[str]:
 
         if kernel := varlen_kernel_problem():
             problems.append(f"model.attn_implementation: sdpa_varlen needs torch's varlen kernel: {kernel}; use sdpa")
+    shared = [name for name, on in (
+        ("data.share_prompt", cfg.data.share_prompt),
+        ("rollout.packing: shared", cfg.rollout is not None and cfg.rollout.packing == "shared"),
+    ) if on]  # fmt: skip
+    if shared:
+        from rlfactory.model.attention import NAME, resolved_attention
+
+        if (attention := resolved_attention(cfg.model)) != NAME:
+            problems.append(
+                f"{shared[0]} needs model.attn_implementation {NAME}, and this run's attention is {attention} here "
+                f"(auto picks {NAME} on a CUDA GPU whose torch has the varlen kernel): set model.attn_implementation: "
+                f"{NAME}, or turn {shared[0].split(':')[0]} off"
+            )
     packages = {"flash_attention_2": "flash_attn"}
     package = packages.get(cfg.model.attn_implementation)
     if package is not None and importlib.util.find_spec(package) is None:
