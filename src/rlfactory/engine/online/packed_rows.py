@@ -103,7 +103,7 @@ class PackedRows:
     ) -> PackedRows:
         """Layout "shared" (see ``PackLayout``): each prompt once, at its first row; the later rows' responses as
         documents of their own whose keys are that prompt's and their own."""
-        arange = lambda start, n: list(range(start, start + n))  # noqa: E731
+        arange = lambda start, n: torch.arange(start, start + n)  # noqa: E731
         gather, keep, targets, place, positions, kv_index = [], [], [], [], [], []
         q_lengths, k_lengths = [], []
         width = max(1, *response) if response else 1
@@ -111,40 +111,40 @@ class PackedRows:
         start = 0
         for row, (n_p, n_r) in enumerate(zip(prompt, response, strict=True)):
             first = row * (width_p + width_r) + width_p - n_p  # the row's first prompt token in input_ids[rows]
-            place += arange(row * width, n_r)
+            place.append(arange(row * width, n_r))
             host = hosts.get(prompt_of[row])
             if host is None:  # the prompt's first row: prompt + response, as layout "row" lays it out
                 hosts[prompt_of[row]] = start
-                gather += arange(first, n_p + n_r)
-                kv_index += arange(start, n_p + n_r)
-                keep += arange(start + n_p - 1, n_r)  # position t predicts token t + 1
-                targets += arange(start + n_p, n_r)
-                positions += arange(0, n_p + n_r)
+                gather.append(arange(first, n_p + n_r))
+                kv_index.append(arange(start, n_p + n_r))
+                keep.append(arange(start + n_p - 1, n_r))  # position t predicts token t + 1
+                targets.append(arange(start + n_p, n_r))
+                positions.append(arange(0, n_p + n_r))
                 q_lengths.append(n_p + n_r)
                 k_lengths.append(n_p + n_r)
                 start += n_p + n_r
             elif n_r:  # the response alone; its first token is predicted from the shared prompt's last position
-                gather += arange(first + n_p, n_r)
-                kv_index += arange(host, n_p) + arange(start, n_r)
-                keep += [host + n_p - 1, *arange(start, n_r - 1)]
-                targets += arange(start, n_r)
-                positions += arange(n_p, n_r)
+                gather.append(arange(first + n_p, n_r))
+                kv_index += [arange(host, n_p), arange(start, n_r)]
+                keep += [torch.tensor([host + n_p - 1]), arange(start, n_r - 1)]
+                targets.append(arange(start, n_r))
+                positions.append(arange(n_p, n_r))
                 q_lengths.append(n_r)
                 k_lengths.append(n_p + n_r)
                 start += n_r
-        long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
+        cat = lambda parts: torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)  # noqa: E731
         bounds = lambda lengths: torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)  # noqa: E731
         return cls(
-            long(gather),
-            long([positions]),
-            long(keep),
-            long(place),
+            cat(gather),
+            cat(positions)[None],
+            cat(keep),
+            cat(place),
             len(prompt),
             width,
             bounds(q_lengths),
             max(q_lengths, default=0),
-            targets=long(targets),
-            kv_index=long(kv_index),
+            targets=cat(targets),
+            kv_index=cat(kv_index),
             cu_seqlens_k=bounds(k_lengths),
             max_length_k=max(k_lengths, default=0),
         )
