@@ -147,7 +147,7 @@ def test_share_prompt_is_refused_where_it_cannot_apply(tmp_path: Path):
         validate_config(sft, "test")
 
 
-@pytest.mark.parametrize("stage", ["dpo", "orpo", "rm"])
+@pytest.mark.parametrize("stage", ["dpo", "dpo-precomputed", "orpo", "rm"])
 def test_a_stage_with_shared_prompts_logs_the_padded_runs_losses(tmp_path: Path, stage: str, monkeypatch):
     """Three steps of the real stage (LoRA, float32) with and without data.share_prompt: the same logged losses and
     held-out metrics, to float32 rounding of a few hundred sums; only the shared run's attention took the
@@ -160,11 +160,12 @@ def test_a_stage_with_shared_prompts_logs_the_padded_runs_losses(tmp_path: Path,
     for share in (False, True):
         out = tmp_path / str(share)
         out.mkdir()
-        cfg = _config(out, stage, data={"share_prompt": share, "max_samples": 96},
+        sections = {"dpo": {"precompute_ref_logps": True}} if stage == "dpo-precomputed" else {}
+        cfg = _config(out, stage.split("-")[0], data={"share_prompt": share, "max_samples": 96}, **sections,
                       model={"attn_implementation": "sdpa_varlen"},
                       train={"max_steps": 3, "per_device_batch_size": 16},
                       logging={"logging_steps": 1, "progress_bar": False, "plot_loss": False})  # fmt: skip
-        {"dpo": dpo, "orpo": orpo, "rm": rm}[stage].run(validate_config(cfg, "test"))
+        {"dpo": dpo, "orpo": orpo, "rm": rm}[stage.split("-")[0]].run(validate_config(cfg, "test"))
         losses[share] = [(r["step"], r.get("loss"), r.get("eval_loss")) for r in read_log(out / "out")]
         calls[share] = len(varlen_calls) - sum(calls.values())
     assert calls[False] == 0 and calls[True] > 0

@@ -146,7 +146,7 @@ def precompute_pairs(
         for items in item_sets:
             for start in range(0, len(items), batch_size):
                 chunk = items[start : start + batch_size]
-                batch = {k: v.to(device) for k, v in collate(chunk).items()}
+                batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in collate(chunk).items()}
                 _store_ref_logps(chunk, forward_logps(model, batch, "", kernels), length_normalised)
         model.train(was_training)
     if ref_path:
