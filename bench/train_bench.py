@@ -213,7 +213,9 @@ def _shares_prompts(args) -> bool:
 def _pair_collate(args):
     from rlfactory.stages import preference_data
 
-    return preference_data.collate_shared_pairs if _shares_prompts(args) else preference_data.collate_pairs(0)
+    if _shares_prompts(args):
+        return functools.partial(preference_data.collate_shared_pairs, pad_id=0)
+    return preference_data.collate_pairs(0)
 
 
 def torch_seed() -> None:

@@ -127,8 +127,11 @@ def test_shared_rows_give_the_padded_rewards_and_gradients():
     shared_model.load_state_dict(padded_model.state_dict())
     shared_model.config.pad_token_id = 0
     items = _pairs(padded_model.config.vocab_size, seed=1)
+    # responses that end in the pad id (eos used as pad): the classifier pools at the last token that is not pad
+    items[0]["chosen_ids"][-1] = 0
+    items[1]["rejected_ids"][-2:] = [0, 0]
     rewards = rm.pair_rewards(padded_model, collate_pairs(0, 8)(items))
-    shared_rewards = rm.pair_rewards(shared_model, collate_shared_pairs(items))
+    shared_rewards = rm.pair_rewards(shared_model, collate_shared_pairs(items, pad_id=0))
     _assert_close(shared_rewards, rewards)
     assert rewards.std() > 0
     rm.bradley_terry(*rewards.chunk(2), 0.0, None).sum().backward()

@@ -15,6 +15,7 @@ and values read by both responses. The same numbers, and the prompt's tokens are
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections.abc import Callable
@@ -197,7 +198,7 @@ def collate_pairs(pad_id: int, align: int = 1, cap: int | None = None) -> Callab
     return collate
 
 
-def collate_shared_pairs(items: list[dict]) -> Batch:
+def collate_shared_pairs(items: list[dict], pad_id: int | None = None) -> Batch:
     """B pairs -> ONE row ``[prompt_0, chosen_0, rejected_0, prompt_1, ...]`` for ``data.share_prompt``.
 
     Two attention documents per pair: prompt + chosen (keys = queries), and the rejected response, whose keys are
@@ -206,7 +207,9 @@ def collate_shared_pairs(items: list[dict]) -> Batch:
     it would see in a row of its own. The trained positions and their targets are listed here on the host:
     ``logp_rows`` (the position predicting each trained token; a rejected response's first token is predicted from
     the prompt's last position, as the chosen one's is), ``logp_targets``, ``logp_sides`` (0..B-1 chosen, B..2B-1
-    rejected, the padded layout's row order) and ``logp_counts``; ``score_rows``: each side's last position (rm).
+    rejected, the padded layout's row order) and ``logp_counts``; ``score_rows`` (rm): each side's last token that
+    is not ``pad_id``, where transformers' classifiers pool a padded row (a response may end in a token equal to the
+    pad id, e.g. eos used as pad), so training scores what inference scores.
     """
     ids: list[int] = []
     positions: list[int] = []
@@ -238,7 +241,9 @@ def collate_shared_pairs(items: list[dict]) -> Batch:
                     rows.append(start + p - 1 if j == 0 else first + j - 1)
                     targets.append(token)
                     sides.append(side)
-            score_rows[side] = first + len(response) - 1
+            score_rows[side] = _last_non_pad(
+                prompt + response, [*range(start, start + p), *range(first, first + len(response))], pad_id
+            )
     q_bounds = list(itertools.accumulate(q_lengths, initial=0))
     k_bounds = list(itertools.accumulate(k_lengths, initial=0))
     batch = {
@@ -263,6 +268,13 @@ def collate_shared_pairs(items: list[dict]) -> Batch:
     return batch
 
 
+def _last_non_pad(tokens: list[int], places: list[int], pad_id: int | None) -> int:
+    """The row position of the last of ``tokens`` (at ``places``) that is not ``pad_id``; the first position when all
+    are (transformers' pooling: the argmax of an all-zero mask)."""
+    last = next((i for i in range(len(tokens) - 1, -1, -1) if tokens[i] != pad_id), 0)
+    return places[last]
+
+
 SHARED_INPUTS = ("input_ids", "position_ids", "kv_index", *BOUNDARY_KEYS)  # the model's inputs of a shared row
 
 
@@ -277,7 +289,7 @@ def pair_collate(cfg: RunConfig, pad_id: int, align: int = 1) -> Callable[[list[
                 f"data.share_prompt needs model.attn_implementation {NAME} (this run resolves to {attention}): "
                 f"set model.attn_implementation: {NAME}, or remove data.share_prompt"
             )
-        return collate_shared_pairs
+        return functools.partial(collate_shared_pairs, pad_id=pad_id)
     return collate_pairs(pad_id, align, cfg.data.cutoff_len)
 
 
