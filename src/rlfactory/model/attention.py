@@ -17,7 +17,8 @@ On CPU (no flash kernel) the varlen call runs sdpa's causal kernel once per docu
 CPU tests and by CPU runs.
 
 A call that also carries ``kv_index`` (``data.share_prompt``: a preference pair's prompt computed once, see
-``stages/preference_data.collate_shared_pairs``) reads each document's keys and values from those positions of the
+``stages/preference_data.collate_shared_pairs``; ``rollout.packing: shared``: a group's, ``packed_rows.PackLayout``)
+reads each document's keys and values from those positions of the
 row, so a document's keys may be longer than its queries (the rejected response attends to the prompt before the
 chosen one); ``cu_seq_lens_k`` / ``max_length_k`` give the key documents. The causal mask is then aligned at the
 bottom right (query i of a document with q queries and k keys sees keys 0 .. i + k - q), as the flash kernels align
@@ -156,7 +157,8 @@ def varlen_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # (T, H, D)
     # max_length_q as given (an int, or a symbolic one in a compiled layer: int() would specialize on it)
-    cu_k, max_q, max_k = cu_seqlens, kwargs.get("max_length_q"), kwargs.get("max_length_q")
+    max_q = kwargs.get("max_length_q")
+    cu_k, max_k = cu_seqlens, max_q  # a document's keys are its queries, unless kv_index says otherwise
     kv_index = kwargs.get("kv_index")
     if kv_index is not None:  # shared prompts: each document's keys gathered from the row (see the module's doc)
         k, v = k.index_select(0, kv_index), v.index_select(0, kv_index)
