@@ -173,7 +173,7 @@ class HostRows:
         return packed_micro_batch(batch, self.prompt, self.response, rows, packing, self.prompt_of)
 
 
-def _lengths(batch: Batch, packing: PackLayout, micro: MicroBatching) -> HostRows:
+def _host_rows(batch: Batch, packing: PackLayout, micro: MicroBatching) -> HostRows:
     """The batch's ``HostRows``."""
     if not packing and micro.tokens is None:
         response = batch.response_length.long().tolist()
@@ -197,7 +197,7 @@ def full_pass(
     """``fn(rows, width, packed) -> (b, R)`` over the whole batch in micro-batches (no gradient); ``width`` is the
     micro-batch's longest response, read from the host once for the whole pass; ``packed`` its padding-free row
     (``packing``) or None."""
-    host = _lengths(batch, packing, micro)
+    host = _host_rows(batch, packing, micro)
     out = []
     for start, end in micro.spans(host.tokens):
         chunk = torch.arange(start, end, device=batch.responses.device)
@@ -362,7 +362,7 @@ class Updater:
         world = 1 if self.ranks is None else self.ranks.world
         # row order, lengths and which mini-batches have tokens live on the host: every micro-batch's shape is
         # known without asking the GPU, so the CPU queues micro-batches back to back (one sync per call)
-        host = _lengths(batch, self.packing, micro)
+        host = _host_rows(batch, self.packing, micro)
         response, tokens = host.response, host.tokens
         has_tokens = (mask.sum(-1) > 0).cpu()
         for _ in range(alg.ppo_epochs):
