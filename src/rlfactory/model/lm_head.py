@@ -20,10 +20,15 @@ import torch
 from rlfactory.algos.common import HeadKernels, linear_nll_sum, linear_token_logprobs, token_logprobs
 
 
+def unwrapped(model: Any) -> Any:
+    """The transformers model under its DDP and PEFT wrappers."""
+    base = getattr(model, "module", model)  # DDP
+    return base.get_base_model() if hasattr(base, "get_base_model") else base  # PEFT
+
+
 def lm_parts(model: Any) -> tuple[Any, Any] | None:
     """(decoder, output embedding) of a causal LM under its DDP/PEFT wrappers; None if it has no such split."""
-    base = getattr(model, "module", model)  # DDP
-    base = base.get_base_model() if hasattr(base, "get_base_model") else base  # PEFT
+    base = unwrapped(model)
     if not hasattr(base, "get_decoder") or "logits_to_keep" not in inspect.signature(base.forward).parameters:
         return None
     head = base.get_output_embeddings()

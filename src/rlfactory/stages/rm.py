@@ -61,17 +61,16 @@ def check_margins(section: RMConfig, examples: list[dict]) -> None:
 
 def pair_rewards(model: Any, batch: Batch) -> torch.Tensor:
     """(2B,) float32 rewards, chosen first: the classifier's pooled score of each padded row, or, for one
-    shared-prompt row (``data.share_prompt``), the score head's output at each response's last position (the
-    classifier's own pooling would take the row's last token only)."""
+    shared-prompt row (``data.share_prompt``), the score head's output at the collate's ``score_rows`` (each side's
+    last token that is not pad; the classifier's own pooling would take the row's last token only)."""
     if "kv_index" not in batch:
         out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False)
         return out.logits[:, 0].float()
     from rlfactory.model.heads import SCORE_HEAD
+    from rlfactory.model.lm_head import unwrapped
 
-    base = getattr(model, "module", model)  # DDP
-    base = base.get_base_model() if hasattr(base, "get_base_model") else base  # PEFT
     scores: list[torch.Tensor] = []
-    handle = getattr(base, SCORE_HEAD).register_forward_hook(lambda _m, _a, out: scores.append(out))
+    handle = getattr(unwrapped(model), SCORE_HEAD).register_forward_hook(lambda _m, _a, out: scores.append(out))
     try:
         model(**{key: batch[key] for key in SHARED_INPUTS}, use_cache=False)
     finally:
