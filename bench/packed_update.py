@@ -48,7 +48,7 @@ def build_model(shape: str, attn: str):
     return model.train(), config.vocab_size
 
 
-def build_batch(samples: int, prompt: int, lengths: str, vocab: int, seed: int, device):
+def build_batch(samples: int, prompt: int, lengths: str, vocab: int, seed: int, device, group: int = 1):
     import torch
 
     from rlfactory.rollout.base import Completion
@@ -57,7 +57,9 @@ def build_batch(samples: int, prompt: int, lengths: str, vocab: int, seed: int, 
     low, high = (int(x) for x in lengths.split(":"))
     gen = torch.Generator().manual_seed(seed)
     drawn = torch.randint(low, high + 1, (samples,), generator=gen).tolist()
-    prompts = [torch.randint(3, vocab, (prompt,), generator=gen).tolist() for _ in range(samples)]
+    # a group's samples share one prompt (consecutive rows, as a rollout batch holds them)
+    prompts = [torch.randint(3, vocab, (prompt,), generator=gen).tolist() for _ in range(-(-samples // group))]
+    prompts = [p for p in prompts for _ in range(group)][:samples]
     completions = [Completion(torch.randint(3, vocab, (n,), generator=gen).tolist(), "length") for n in drawn]
     batch = pack_rollouts(prompts, completions, pad_id=0, mask_truncated=False)
     batch.advantages = torch.randn(batch.responses.shape, generator=gen) * batch.response_mask
@@ -103,7 +105,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=32, help="the micro-batch's samples")
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per sample")
     parser.add_argument("--lengths", default="16:256", metavar="LOW:HIGH", help="response lengths drawn from")
-    parser.add_argument("--layouts", default="padded,row,rows", help="any of padded, row, rows")
+    parser.add_argument("--layouts", default="padded,row,rows", help="any of padded, row, rows, shared")
+    parser.add_argument("--group", type=int, default=1, help="samples per prompt (layout shared: prompt once)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sft", action="store_true", help="sft's collates and loss (documents of --lengths tokens)")
@@ -116,6 +119,7 @@ def main() -> None:
 
     import torch
 
+    from rlfactory.engine.online.packed_rows import host_prompt_groups
     from rlfactory.engine.online.update import host_lengths, packed_micro_batch, policy_forward
 
     cuda = torch.cuda.is_available()
@@ -126,12 +130,14 @@ def main() -> None:
         compile_layers(model)
         keep_layer_graphs_whole()
     device = next(model.parameters()).device
-    batch, drawn = build_batch(args.samples, args.prompt, args.lengths, vocab, args.seed, device)
+    batch, drawn = build_batch(args.samples, args.prompt, args.lengths, vocab, args.seed, device, args.group)
     rows = torch.arange(args.samples, device=device)
     prompt, response = host_lengths(batch)
     layouts = args.layouts.split(",")
     packed = {
-        name: None if name == "padded" else packed_micro_batch(batch, prompt, response, list(range(args.samples)), name)
+        name: None
+        if name == "padded"
+        else packed_micro_batch(batch, prompt, response, list(range(args.samples)), name, host_prompt_groups(batch))
         for name in layouts
     }
     positions = {name: batch.input_ids.numel() if p is None else p.position_ids.numel() for name, p in packed.items()}
@@ -144,7 +150,7 @@ def main() -> None:
     real = sum(prompt) + sum(response)
     print(
         f"{args.shape}, {args.attn}{' compiled' * args.compile}, {'cuda' if cuda else 'cpu'}: {args.samples} samples, "
-        f"prompt {args.prompt}, "
+        f"prompt {args.prompt} (groups of {args.group}), "
         f"responses {min(drawn)}..{max(drawn)} (mean {statistics.mean(drawn):.0f}); real tokens {real:,}"
     )
     n_rows = {name: args.samples if p is None else p.position_ids.shape[0] for name, p in packed.items()}
