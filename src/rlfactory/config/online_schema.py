@@ -76,7 +76,8 @@ class RolloutConfig(Section):
         "on: always (only for models whose attention builds its mask from position ids, as transformers' own models "
         "do); off: padded. shared: one row in which each prompt is computed once per micro-batch, its group's other "
         "samples attending to its keys (the same numbers; needs model.attn_implementation sdpa_varlen; the update "
-        "puts a mini-batch's samples of one prompt side by side so they share micro-batches).",
+        "puts a mini-batch's samples of one prompt side by side so they share micro-batches; pays with long prompts: "
+        "1.18x on the update at 256-token prompts, 1.04x at 64).",
     )
     micro_batch_tokens: int | None = Field(
         None,

@@ -52,7 +52,8 @@ class DataConfig(Section):
         description="rm, dpo, orpo: each preference pair's prompt computed once instead of twice: a micro-batch is "
         "one row of prompt, chosen and rejected per pair, the rejected response attending to the prompt's keys "
         "(the same numbers as two rows, with no padding). Needs model.attn_implementation sdpa_varlen (what auto "
-        "picks on a CUDA GPU whose torch has the varlen kernel).",
+        "picks on a CUDA GPU whose torch has the varlen kernel). Saves about a tenth of the peak memory; faster where "
+        "prompts are long (docs/BENCHMARKS.md).",
     )
     max_samples: int | None = Field(None, ge=1, description="Use at most this many rows per dataset.")
     max_bad_rows: int = Field(
