@@ -580,6 +580,7 @@ def worker(args) -> None:
                 "mfu": round(6 * n_params * tokens_per_s * computed / world / PEAK_FLOPS, 4),
                 "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None,
                 "timed_steps": len(steps),
+                "steps_ms": [round(1000 * x, 1) for x in steps],  # each timed step: drift or periodic slow steps
                 "losses": [round(x, 5) for x in losses[:6]],
             }
         ),
