@@ -29,8 +29,10 @@ from rlfactory.engine import run_dir
 from rlfactory.engine.health import HealthMonitor, stopped
 from rlfactory.engine.host_reads import HostCopy, device_scalar
 from rlfactory.engine.shared import (
+    FLUSH_ADVICE,
     NonFiniteGuard,
     StopSignals,
+    allocator_flushes,
     autocast_forward,
     backward,
     build_accelerator,
@@ -197,6 +199,7 @@ class _Setup:
     steps_per_epoch: int
     total_steps: int
     health: HealthMonitor  # the health rules that apply offline (non_finite), fed every logged record
+    warned_flushes: bool = False  # the allocator-flush warning is given once per run
 
 
 def _log(s: _Setup, out: Path, record: dict[str, Any]) -> None:
@@ -418,7 +421,7 @@ class _PendingLog:
     seconds: float  # since the last line
     times: dict[str, float]  # elapsed, ETA
     keys: list[str]  # the metrics in ``values``
-    values: HostCopy  # [metric sums..., weights..., this process's tokens, the fullest process's peak memory]
+    values: HostCopy  # [metric sums..., weights..., this process's tokens, the most peak memory, the most flushes]
 
 
 def _queue_log(s: _Setup, meter: _Meter, clock: _Clock, step: int) -> _PendingLog:
@@ -426,14 +429,17 @@ def _queue_log(s: _Setup, meter: _Meter, clock: _Clock, step: int) -> _PendingLo
     acc = s.accelerator
     keys, stacked = meter.take(acc)
     # on GPUs, the fullest process's peak of torch's allocated memory so far (GiB): what ``rlfactory plan``
-    # estimates, read where the run happens (the allocator's cache and the CUDA context come on top)
-    peak = device_scalar(peak_memory_gb() if torch.cuda.is_available() else 0.0, acc.device, torch.float64)
+    # estimates, read where the run happens (the allocator's cache and the CUDA context come on top); and the most
+    # allocator cache flushes any process had since the last line (``allocator_flushes``)
+    flushes = clock.flushes_since_lap()
+    peak = peak_memory_gb() if torch.cuda.is_available() else 0.0
+    fullest = torch.stack([device_scalar(x, acc.device, torch.float64) for x in (peak, flushes)])
     if acc.num_processes > 1 and torch.cuda.is_available():
-        peak = acc.reduce(peak, "max")
+        fullest = acc.reduce(fullest, "max")
     tokens = device_scalar(clock.tokens, acc.device, torch.float64)
     record = {"step": step, "epoch": round(step / s.steps_per_epoch, 4), "lr": s.scheduler.get_last_lr()[0]}
     seconds, times = clock.lap(step, s.total_steps)
-    values = HostCopy(torch.cat([stacked, tokens.reshape(1), peak.reshape(1)]))
+    values = HostCopy(torch.cat([stacked, tokens.reshape(1), fullest]))
     return _PendingLog(record, seconds, times, keys, values)
 
 
@@ -441,7 +447,12 @@ def _write_log(s: _Setup, out: Path, pending: _PendingLog, guard: NonFiniteGuard
     """Writes a queued line (waiting for its values only); returns its metrics."""
     values = pending.values.values()
     metrics = _Meter.means(pending.keys, values)
-    tokens, peak = values[-2], values[-1]
+    tokens, peak, flushes = values[-3], values[-2], int(values[-1])
+    if flushes and not s.warned_flushes:
+        s.warned_flushes = True
+        fix = "lower train.per_device_batch_size, or set model.gradient_checkpointing: true"
+        advice = FLUSH_ADVICE.format(n=flushes, where="", fix=fix, key="alloc_flushes")
+        log.warning("step %d: %s", pending.record["step"], advice)
     record = {
         "step": pending.record["step"],
         "epoch": pending.record["epoch"],
@@ -450,7 +461,7 @@ def _write_log(s: _Setup, out: Path, pending: _PendingLog, guard: NonFiniteGuard
         "lr": pending.record["lr"],
         "tokens_per_s": tokens * s.accelerator.num_processes / max(pending.seconds, 1e-9),
         **pending.times,
-        **({"max_memory_gb": round(peak, 3)} if torch.cuda.is_available() else {}),
+        **({"max_memory_gb": round(peak, 3), "alloc_flushes": flushes} if torch.cuda.is_available() else {}),
     }
     _log(s, out, record)
     bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.4f}")
@@ -463,6 +474,13 @@ class _Clock:
     def __init__(self, start_step: int) -> None:
         self.start, self.last, self.start_step = time.time(), time.time(), start_step
         self.tokens: Any = 0  # this process's, since the last lap: a number or a device tensor
+        self.flushes = allocator_flushes()  # the allocator's count at the last lap
+
+    def flushes_since_lap(self) -> int:
+        """This process's allocator cache flushes since the last call (``allocator_flushes``)."""
+        now = allocator_flushes()
+        since, self.flushes = now - self.flushes, now
+        return since
 
     def lap(self, step: int, total_steps: int) -> tuple[float, dict[str, float]]:
         """The seconds since the last lap, and the elapsed time and ETA to log; restarts the token count."""

@@ -30,9 +30,11 @@ estimator runs on every rank's rows (phase 6) and the update aggregates over eve
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -47,11 +49,13 @@ from rlfactory.engine.health import HealthMonitor
 from rlfactory.engine.online import update as ops
 from rlfactory.engine.online.overlap import Prefetch, Round, generate_round
 from rlfactory.engine.online.ranks import Ranks
-from rlfactory.engine.shared import peak_memory_gb
+from rlfactory.engine.shared import FLUSH_ADVICE, allocator_flushes, peak_memory_gb
 from rlfactory.rewards.stack import RewardStack, Sample, Scores, score_metrics
 from rlfactory.rollout.agent import Rollouts, episode_metrics, episode_trace_fields
 from rlfactory.rollout.base import SamplingParams
 from rlfactory.rollout.batch import RolloutBatch, pack_rollouts
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -72,26 +76,37 @@ class LoopState:
 
 
 class PhaseTimer:
-    """``with timer("gen"):`` adds the seconds to ``timing_s/gen`` (phases may repeat within a step)."""
+    """``with timer("gen"):`` adds the seconds to ``timing_s/gen`` (phases may repeat within a step, and nest in
+    "step"), and counts the CUDA allocator's cache flushes inside each phase (``shared.allocator_flushes``; an
+    overlapped sampler's flushes count in whichever phase the main thread is in)."""
 
-    def __init__(self) -> None:
+    def __init__(self, flushes: Callable[[], int] = allocator_flushes) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.flushes: dict[str, int] = defaultdict(int)
+        self._flush_count = flushes
 
     @contextmanager
     def __call__(self, phase: str):
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # attribute GPU work to the phase that queued it
-        start = time.perf_counter()
+        start, flushed = time.perf_counter(), self._flush_count()
         try:
             yield
         finally:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             self.seconds[phase] += time.perf_counter() - start
+            self.flushes[phase] += self._flush_count() - flushed
 
     def pop(self) -> dict[str, float]:
         out = {f"timing_s/{k}": round(v, 4) for k, v in self.seconds.items()}
         self.seconds.clear()
+        return out
+
+    def pop_flushes(self) -> dict[str, int]:
+        """The phases that flushed since the last call, with their counts."""
+        out = {k: n for k, n in self.flushes.items() if n}
+        self.flushes.clear()
         return out
 
 
@@ -121,6 +136,7 @@ class Run:
     sampler: Rollouts | None = None
     prefetch: Prefetch | None = None
     sampler_version: int = 0
+    warned_flushes: bool = False  # the allocator-flush warning is given once per run
     kernels: HeadKernels = HeadKernels()  # the LM head's kernels in every policy pass (``model.loader.head_kernels``)
 
 
@@ -518,6 +534,20 @@ def step(run: Run, index: int) -> StepResult:
     metrics.update(timing)
     metrics["perf/throughput"] = tokens / max(timing["timing_s/step"], 1e-9)  # every rank's tokens: the run's
     metrics["perf/max_memory_gb"] = run.ranks.max(peak_memory_gb())  # the fullest process
+    flushes = run.timer.pop_flushes()
+    if torch.cuda.is_available():  # the same on every rank: the max below is a collective
+        metrics["perf/alloc_flushes"] = run.ranks.max(flushes.get("step", 0))
+        if metrics["perf/alloc_flushes"] and not run.warned_flushes:
+            run.warned_flushes = True
+            where = ", ".join(f"{k} {n}" for k, n in flushes.items() if k != "step")
+            advice = FLUSH_ADVICE.format(
+                n=int(metrics["perf/alloc_flushes"]),
+                where=f" (this process: {where})" if where else " (on another process)",
+                fix="lower rollout.gpu_memory_utilization, set rollout.micro_batch_tokens or lower "
+                "train.per_device_batch_size",
+                key="perf/alloc_flushes",
+            )
+            log.warning("step %d: %s", index + 1, advice)
     metrics["loss"] = metrics.get("actor/loss", metrics.get("critic/vf_loss", 0.0))
     return StepResult(metrics, samples, batch, advantages)
 
