@@ -480,6 +480,8 @@ def case_grpo(args, model_dir: Path) -> dict:
         "intervals_s": [round(x, 4) for x in clock.intervals],
         **{k: median(k) for k in keys},
         "logprob_diff_mean_per_step": [r.get("rollout/logprob_diff_mean") for r in records],
+        # the CUDA allocator's cache flushes per step (a step at the memory limit stalls on them)
+        "alloc_flushes_per_step": [r.get("perf/alloc_flushes") for r in records],
         "per_step": [
             {k.removeprefix("timing_s/"): v for k, v in r.items() if k.startswith("timing_s/")} for r in records
         ],
