@@ -35,8 +35,13 @@ SHAPES = {
                intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
 }  # fmt: skip
 SFT, DPO, GRPO = "examples/quickstart/sft.yaml", "examples/quickstart/dpo.yaml", "examples/grpo/tiny_arith_vllm.yaml"
-COMMON = ["logging.plot_loss=false", "logging.progress_bar=false", "train.save_steps=null", "train.eval_steps=null",
-          "logging.logging_steps=1"]
+COMMON = [
+    "logging.plot_loss=false",
+    "logging.progress_bar=false",
+    "train.save_steps=null",
+    "train.eval_steps=null",
+    "logging.logging_steps=1",
+]
 OFFLINE = ["data.dataset=long_sft", "data.eval_dataset=[]", "evaluation.dataset=null", "data.cutoff_len=2048"]
 ONLINE = ["rollout.max_prompt_len=128", "rollout.max_response_len=512", "rollout.prompts_per_step=8",
           "rollout.num_samples=8", "evaluation.dataset=null", "model.dtype=auto"]  # fmt: skip
