@@ -1,20 +1,19 @@
 """Allocator cache flushes in the logs (``engine.shared.allocator_flushes``): the online loop counts them per phase
-(nested phases included), the offline loop per log line, and the first line with flushes warns once. On CPU the
-counter is 0; a fake counter stands in for the CUDA allocator's ``num_alloc_retries`` here, the real one is
-exercised in tests/gpu/test_gpu_allocator.py."""
+(nested phases included), the offline loop per log line, and the ``memory_pressure`` health rule alerts on the first
+line with flushes. On CPU the counter is 0; a counter the test advances stands in for the CUDA allocator's
+``num_alloc_retries`` here, the real one is exercised in tests/gpu/test_gpu_allocator.py."""
 
 from __future__ import annotations
 
-import logging
-from types import SimpleNamespace
+import json
 
 import torch
 
-from rlfactory.config.schema import TrainConfig
+from rlfactory.config.health_schema import HealthConfig
 from rlfactory.engine import offline
-from rlfactory.engine.host_reads import HostCopy
+from rlfactory.engine.health import HEALTH_RULES, HealthMonitor
 from rlfactory.engine.online.phases import PhaseTimer
-from rlfactory.engine.shared import NonFiniteGuard, allocator_flushes
+from rlfactory.engine.shared import allocator_flushes
 
 
 class Counter:
@@ -60,29 +59,35 @@ def test_the_offline_clock_reports_the_flushes_since_its_last_lap(monkeypatch):
     assert clock.flushes_since_lap() == 1
 
 
-def test_the_first_offline_line_with_flushes_warns_once_and_says_what_to_lower(tmp_path, caplog):
-    logged: list[dict] = []
-    setup = SimpleNamespace(
-        accelerator=SimpleNamespace(num_processes=1, is_main_process=True, log_with=None),
-        health=SimpleNamespace(observe=logged.append),
-        warned_flushes=False,
+def _monitor(tmp_path):
+    rules = {name: {"action": "ignore"} for name in HEALTH_RULES.names() if name != "memory_pressure"}
+    return HealthMonitor(HealthConfig(**rules), tmp_path)
+
+
+def test_memory_pressure_alerts_once_on_the_first_line_with_flushes_and_says_what_to_lower(tmp_path):
+    monitor = _monitor(tmp_path)
+    assert monitor.observe({"step": 1, "loss": 0.5, "alloc_flushes": 0}) == []
+    assert monitor.observe({"step": 2, "loss": 0.4}) == []  # a CPU line has no count
+    (alert,) = monitor.observe({"step": 3, "loss": 0.3, "alloc_flushes": 3})
+    assert (alert.rule, alert.metric, alert.value, alert.action) == ("memory_pressure", "alloc_flushes", 3.0, "warn")
+    assert "emptied its cache 3 time(s) since the last logged step: the run is at its GPU memory limit" in (
+        alert.message
     )
-    guard = NonFiniteGuard(TrainConfig(), setup.accelerator, tmp_path)
-    bar = SimpleNamespace(set_postfix=lambda **_: None)
+    assert "train.per_device_batch_size" in alert.fixes and "gradient_checkpointing" in alert.fixes
+    assert monitor.observe({"step": 4, "loss": 0.3, "alloc_flushes": 5}) == []  # once per run
+    logged = [json.loads(line) for line in (tmp_path / "trainer_log.jsonl").read_text().splitlines()]
+    assert [r["health"]["rule"] for r in logged] == ["memory_pressure"] and logged[0]["step"] == 3
 
-    def line(step: int, flushes: int) -> offline._PendingLog:
-        # [loss sum, loss weight, tokens, peak GB, flushes]: _queue_log's layout
-        values = HostCopy(torch.tensor([0.5 * step, 1.0, 100.0, 0.0, float(flushes)], dtype=torch.float64))
-        record = {"step": step, "epoch": 0.1 * step, "lr": 1e-3}
-        return offline._PendingLog(record, 1.0, {"elapsed_s": 1.0, "eta_s": 1.0}, ["loss"], values)
 
-    with caplog.at_level(logging.WARNING, logger="rlfactory.engine.offline"):
-        offline._write_log(setup, tmp_path, line(1, 0), guard, bar)
-        assert not caplog.records
-        offline._write_log(setup, tmp_path, line(2, 3), guard, bar)
-        offline._write_log(setup, tmp_path, line(3, 2), guard, bar)
-    warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 1, warnings
-    assert warnings[0].startswith("step 2: torch's CUDA allocator flushed its cache 3 time(s)")
-    assert "train.per_device_batch_size" in warnings[0] and "alloc_flushes" in warnings[0]
-    assert [r["loss"] for r in logged] == [0.5, 1.0, 1.5]
+def test_online_memory_pressure_names_the_phases_that_flushed(tmp_path):
+    record = {"step": 7, "perf/alloc_flushes": 2, "perf/alloc_flushes/gen": 2, "timing_s/gen": 1.0}
+    (alert,) = _monitor(tmp_path).check(record)
+    assert alert.metric == "perf/alloc_flushes"
+    assert "emptied its cache 2 time(s) since the last logged step (in gen 2)" in alert.message
+
+
+def test_memory_pressure_can_stop_the_run(tmp_path):
+    rules = {name: {"action": "ignore"} for name in HEALTH_RULES.names()} | {"memory_pressure": {"action": "stop"}}
+    monitor = HealthMonitor(HealthConfig(**rules), tmp_path)
+    monitor.observe({"step": 1, "perf/alloc_flushes": 1})
+    assert monitor.stop is not None and monitor.stop.rule == "memory_pressure"

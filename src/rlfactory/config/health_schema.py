@@ -4,7 +4,8 @@ and an action (``warn``, ``stop`` or ``ignore``).
 Part of the one schema (``config/schema.py`` puts ``health`` into ``RunConfig``); kept apart so that schema.py
 stays readable. The rules read the metrics every logged step already carries (``trainer_log.jsonl``), so the field
 names say which metric a threshold is compared with. Every stage has the section; the rules about rollouts,
-rewards, KL and entropy only ever see metrics in ppo/grpo runs, ``non_finite`` applies to every stage.
+rewards, KL and entropy only ever see metrics in ppo/grpo runs, ``non_finite`` and ``memory_pressure`` apply to
+every stage.
 """
 
 from __future__ import annotations
@@ -155,4 +156,9 @@ class HealthConfig(Section):
     )
     constant_component: ConstantComponentRule = Field(
         default_factory=ConstantComponentRule, description=_doc(ConstantComponentRule)
+    )
+    memory_pressure: Rule = Field(
+        default_factory=Rule,
+        description="memory_pressure: torch's CUDA allocator emptied its cache to fit an allocation (alloc_flushes / "
+        "perf/alloc_flushes above 0): the run is at its GPU memory limit and each flush stalls the step.",
     )

@@ -1,6 +1,7 @@
 """RL run health: small named rules over the metrics each logged step already carries, so that a run going wrong
 (reward hacking, entropy collapse, a KL blow-up, responses running to the cap, groups without a learning signal,
-clipping, sampler mismatch, non-finite values, a reward part that never moves) is said while it happens.
+clipping, sampler mismatch, non-finite values, a reward part that never moves, a GPU at its memory limit) is
+said while it happens.
 
 Each rule is a pure function in ``HEALTH_RULES`` (``@HEALTH_RULES.register(name, fixes=...)``, verl core_algos
 style): ``rule(history, settings) -> [Finding]``, reading the logged values (``History``) and its own settings
@@ -274,6 +275,30 @@ def non_finite(history: History, rule: Any) -> list[Finding]:
         return [Finding("skipped_steps", n, f"{n:g} update(s) skipped: the loss or gradient norm was not finite{also}")]
     if bad:
         return [Finding(bad[0], latest[bad[0]], f"{', '.join(f'{k} is {latest[k]}' for k in bad)}")]
+    return []
+
+
+@HEALTH_RULES.register(
+    "memory_pressure",
+    fixes="lower train.per_device_batch_size (ppo/grpo: or set rollout.micro_batch_tokens), set "
+    "model.gradient_checkpointing: true, or give vLLM less with rollout.gpu_memory_utilization",
+)
+def memory_pressure(history: History, rule: Any) -> list[Finding]:
+    """torch's CUDA allocator had to empty its cache to fit an allocation (``alloc_flushes`` offline,
+    ``perf/alloc_flushes`` online: the most of any process since the last logged step). A flush waits for the device
+    and returns memory to the driver: the run is at its GPU memory limit and slowed by it."""
+    latest = history.latest
+    for metric in ("alloc_flushes", "perf/alloc_flushes"):
+        n = latest.get(metric) or 0
+        if n > 0:
+            # online, the main process's flushes per phase (perf/alloc_flushes/<phase>) say where
+            phases = {k.rsplit("/", 1)[1]: v for k, v in latest.items() if k.startswith("perf/alloc_flushes/")}
+            where = f" (in {', '.join(f'{k} {v:g}' for k, v in phases.items())})" if phases else ""
+            message = (
+                f"torch's CUDA allocator emptied its cache {n:g} time(s) since the last logged step{where}: the run "
+                "is at its GPU memory limit and each flush stalls the step"
+            )
+            return [Finding(metric, float(n), message)]
     return []
 
 

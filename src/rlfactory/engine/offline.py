@@ -29,7 +29,6 @@ from rlfactory.engine import run_dir
 from rlfactory.engine.health import HealthMonitor, stopped
 from rlfactory.engine.host_reads import HostCopy, device_scalar
 from rlfactory.engine.shared import (
-    FLUSH_ADVICE,
     NonFiniteGuard,
     StopSignals,
     allocator_flushes,
@@ -199,7 +198,6 @@ class _Setup:
     steps_per_epoch: int
     total_steps: int
     health: HealthMonitor  # the health rules that apply offline (non_finite), fed every logged record
-    warned_flushes: bool = False  # the allocator-flush warning is given once per run
 
 
 def _log(s: _Setup, out: Path, record: dict[str, Any]) -> None:
@@ -448,11 +446,6 @@ def _write_log(s: _Setup, out: Path, pending: _PendingLog, guard: NonFiniteGuard
     values = pending.values.values()
     metrics = _Meter.means(pending.keys, values)
     tokens, peak, flushes = values[-3], values[-2], int(values[-1])
-    if flushes and not s.warned_flushes:
-        s.warned_flushes = True
-        fix = "lower train.per_device_batch_size, or set model.gradient_checkpointing: true"
-        advice = FLUSH_ADVICE.format(n=flushes, where="", fix=fix, key="alloc_flushes")
-        log.warning("step %d: %s", pending.record["step"], advice)
     record = {
         "step": pending.record["step"],
         "epoch": pending.record["epoch"],

@@ -570,16 +570,10 @@ def allocator_flushes() -> int:
     """How many times torch's CUDA caching allocator has freed its cache to retry an allocation that did not fit,
     since the process started (0 on CPU). A flush waits for the device and hands memory back to the driver, so a step
     with flushes is slower than its neighbours: the sign that a run is at its GPU memory limit (DeepSpeed warns on
-    the same counter)."""
+    the same counter; the ``memory_pressure`` health rule reads it)."""
     if not torch.cuda.is_available():
         return 0
     return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
-
-
-FLUSH_ADVICE = (
-    "torch's CUDA allocator flushed its cache {n} time(s){where}: the run is at its GPU memory limit and each flush "
-    "stalls the step; {fix} (logged as {key} on every line)"
-)
 
 
 def peak_memory_gb() -> float:

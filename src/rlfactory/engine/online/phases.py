@@ -30,7 +30,6 @@ estimator runs on every rank's rows (phase 6) and the update aggregates over eve
 
 from __future__ import annotations
 
-import logging
 import random
 import time
 from collections import defaultdict
@@ -49,13 +48,11 @@ from rlfactory.engine.health import HealthMonitor
 from rlfactory.engine.online import update as ops
 from rlfactory.engine.online.overlap import Prefetch, Round, generate_round
 from rlfactory.engine.online.ranks import Ranks
-from rlfactory.engine.shared import FLUSH_ADVICE, allocator_flushes, peak_memory_gb
+from rlfactory.engine.shared import allocator_flushes, peak_memory_gb
 from rlfactory.rewards.stack import RewardStack, Sample, Scores, score_metrics
 from rlfactory.rollout.agent import Rollouts, episode_metrics, episode_trace_fields
 from rlfactory.rollout.base import SamplingParams
 from rlfactory.rollout.batch import RolloutBatch, pack_rollouts
-
-log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -136,7 +133,6 @@ class Run:
     sampler: Rollouts | None = None
     prefetch: Prefetch | None = None
     sampler_version: int = 0
-    warned_flushes: bool = False  # the allocator-flush warning is given once per run
     kernels: HeadKernels = HeadKernels()  # the LM head's kernels in every policy pass (``model.loader.head_kernels``)
 
 
@@ -535,19 +531,9 @@ def step(run: Run, index: int) -> StepResult:
     metrics["perf/throughput"] = tokens / max(timing["timing_s/step"], 1e-9)  # every rank's tokens: the run's
     metrics["perf/max_memory_gb"] = run.ranks.max(peak_memory_gb())  # the fullest process
     flushes = run.timer.pop_flushes()
-    if torch.cuda.is_available():  # the same on every rank: the max below is a collective
-        metrics["perf/alloc_flushes"] = run.ranks.max(flushes.get("step", 0))
-        if metrics["perf/alloc_flushes"] and not run.warned_flushes:
-            run.warned_flushes = True
-            where = ", ".join(f"{k} {n}" for k, n in flushes.items() if k != "step")
-            advice = FLUSH_ADVICE.format(
-                n=int(metrics["perf/alloc_flushes"]),
-                where=f" (this process: {where})" if where else " (on another process)",
-                fix="lower rollout.gpu_memory_utilization, set rollout.micro_batch_tokens or lower "
-                "train.per_device_batch_size",
-                key="perf/alloc_flushes",
-            )
-            log.warning("step %d: %s", index + 1, advice)
+    if torch.cuda.is_available():  # the same on every rank: the max is a collective (memory_pressure reads it)
+        metrics["perf/alloc_flushes"] = run.ranks.max(flushes.pop("step", 0))
+        metrics.update({f"perf/alloc_flushes/{phase}": n for phase, n in flushes.items()})  # this process's
     metrics["loss"] = metrics.get("actor/loss", metrics.get("critic/vf_loss", 0.0))
     return StepResult(metrics, samples, batch, advantages)
 
