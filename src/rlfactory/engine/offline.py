@@ -197,7 +197,7 @@ class _Setup:
     eval_shard: list[tuple[list[Any], float]] | None
     steps_per_epoch: int
     total_steps: int
-    health: HealthMonitor  # the health rules that apply offline (non_finite), fed every logged record
+    health: HealthMonitor  # the health rules that apply offline (non_finite, memory_pressure), fed every logged record
 
 
 def _log(s: _Setup, out: Path, record: dict[str, Any]) -> None:
