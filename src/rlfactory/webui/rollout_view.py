@@ -114,6 +114,7 @@ RULE_PICKS: dict[str, str] = {
     "sampler_mismatch": "longest",  # the mismatch grows with the length
     "non_finite": "largest_advantage",
     "constant_component": "all",  # every sample has the component's one value
+    "memory_pressure": "longest",  # activation memory grows with a sample's length
 }
 
 
