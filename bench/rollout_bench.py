@@ -204,6 +204,7 @@ def vary_lengths(spec: str, seed: int) -> None:
         flat_prompts, flat_params, counts = expand_requests(prompts, params, draw)
         return merge_outputs(inner(self, flat_prompts, flat_params, *args, **kwargs), counts)
 
+    generate.unvaried = inner  # case_gen's latency floor runs one request at its full length
     vllm.LLM.generate = generate
 
 
@@ -266,6 +267,20 @@ def case_gen(args, model_dir: Path) -> dict:
                 times.append(time.perf_counter() - start)
             result[f"step_batch_s/{label}"] = round(statistics.median(times), 4)
         vllm_backend.vllm_sampling = with_logprobs
+        # The decode latency floor of a step: its longest response alone (--tokens tokens, no length draw). With
+        # varying lengths the batch's tail is a few long samples, so a step's generation cannot beat this number.
+        import vllm
+
+        varied, vllm.LLM.generate = vllm.LLM.generate, getattr(vllm.LLM.generate, "unvaried", vllm.LLM.generate)
+        times = []
+        for _ in range(3):
+            sync()
+            start = time.perf_counter()
+            backend.generate(step_batch[:1], params)
+            sync()
+            times.append(time.perf_counter() - start)
+        vllm.LLM.generate = varied
+        result.update(one_request_s=round(statistics.median(times), 4), one_request_tokens=args.tokens)
     return result
 
 
@@ -677,7 +692,8 @@ def table(results: list[dict]) -> str:
             if "step_batch_s/logprobs" in r:
                 lines.append(
                     f"\n{r['impl']}, one GRPO step's batch: {r['step_batch_s/logprobs']} s with sampler log-probs, "
-                    f"{r['step_batch_s/no_logprobs']} s without"
+                    f"{r['step_batch_s/no_logprobs']} s without; its longest response alone "
+                    f"({r.get('one_request_tokens')} tokens, the decode latency floor): {r.get('one_request_s')} s"
                 )
         lines.append("")
     steps = [r for r in results if r.get("case") in ("grpo", "memory", "trl") and r.get("step_s")]
