@@ -80,7 +80,7 @@ test-fast: $(STAMP)
 test-vllm: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 OMP_WAIT_POLICY=PASSIVE $(VLLM_BIN)/python -m pytest -q -m vllm --durations=15 \
 		-n $(TEST_WORKERS) $(XDIST_ORDER) \
-		tests/test_vllm_backend.py tests/test_vllm_serve.py tests/test_vllm_eval.py
+		tests/test_vllm_backend.py tests/test_vllm_serve.py tests/test_vllm_eval.py tests/test_vllm_bench.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests scripts webui bench
