@@ -51,7 +51,23 @@ def read_text(path: Path | str, what: str = "") -> str:
 
 
 def first_line(exc: BaseException, with_type: bool = False) -> str:
-    """The first line of a library's error message (they run to pages), for a UserError that quotes it."""
-    lines = str(exc).strip().splitlines()
+    """The first line of a library's error message (they run to pages), for a UserError that quotes it; a first
+    line that only announces the next ("Class validation error for validator 'x':") takes that line along."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
     text = lines[0] if lines else ""
+    if text.endswith(":") and len(lines) > 1:
+        text = f"{text} {lines[1]}"
     return f"{type(exc).__name__}: {text}" if with_type or not text else text
+
+
+def model_read_errors() -> tuple[type[BaseException], ...]:
+    """What transformers raises for a model folder it cannot read (a bad config.json, tokenizer file or weights
+    file): besides the builtins, huggingface_hub's strict-dataclass validation, which transformers 5 configs run
+    (e.g. ``num_hidden_layers`` against ``layer_types``) and which is no ValueError. Imported when an error is
+    being matched, so a command that loads no model never imports the hub."""
+    errors: tuple[type[BaseException], ...] = (OSError, ValueError, KeyError, TypeError)
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # an older huggingface_hub: its configs raise ValueError
+        return errors
+    return (*errors, StrictDataclassError)

@@ -14,7 +14,7 @@ from typing import Any
 
 from rlfactory.config.schema import RunConfig
 from rlfactory.engine import plan_terms as t
-from rlfactory.errors import UserError, first_line
+from rlfactory.errors import UserError, first_line, model_read_errors
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -54,7 +54,7 @@ def model_shape(path: str, trust_remote_code: bool = False) -> t.ModelShape:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except model_read_errors() as exc:
         raise UserError(
             f"model.name_or_path: cannot read the config.json of '{path}' ({first_line(exc)}); plan reads only "
             "config.json: give a local model folder or a hub id in the Hugging Face cache"

@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from rlfactory.errors import model_read_errors
+
 try:
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:  # torch < 2.9: varlen_kernel_problem says so
@@ -76,7 +78,7 @@ def _every_layer_takes_varlen(path: str) -> bool:
 
     try:
         config = AutoConfig.from_pretrained(path).get_text_config()
-    except (OSError, ValueError, KeyError):
+    except model_read_errors():
         return False
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:

@@ -8,16 +8,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlfactory.config.schema import FreezeConfig, LoraConfig, ModelConfig, QuantizationConfig, TrainConfig
-from rlfactory.errors import UserError, first_line, read_text
+from rlfactory.errors import UserError, first_line, model_read_errors, read_text
 
 if TYPE_CHECKING:
     from rlfactory.algos.common import HeadKernels
 
 log = logging.getLogger(__name__)
-
-
-# what transformers raises for a model folder it cannot read (a bad config.json, tokenizer file or weights file)
-LOAD_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, KeyError, TypeError)
 
 
 def is_hub_id(path: str) -> bool:
@@ -56,8 +52,6 @@ def check_model_exists(path: str, what: str = "model.name_or_path", weights: boo
 def check_model_dir(path: str, what: str = "model.name_or_path") -> None:
     """A local model folder: not empty, a config.json transformers can read, and weights that are all there (an
     interrupted download or copy leaves a truncated safetensors file, which would fail deep inside loading)."""
-    from transformers import AutoConfig
-
     folder = Path(path).expanduser()
     _check_not_empty(folder, what)
     if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
@@ -65,15 +59,23 @@ def check_model_dir(path: str, what: str = "model.name_or_path") -> None:
         return
     if not (folder / "config.json").is_file():
         raise UserError(f"{what}: '{path}' has no config.json; it is not a Hugging Face model directory")
-    try:
-        AutoConfig.from_pretrained(str(folder))
-    except LOAD_ERRORS as exc:
-        raise UserError(f"{what}: cannot read {folder / 'config.json'}: {first_line(exc)}") from None
+    check_config(folder, what)
     weights = sorted(folder.glob("*.safetensors"))
     if not weights and not any(folder.glob("pytorch_model*.bin")):
         raise UserError(f"{what}: '{path}' has no weights (no *.safetensors or pytorch_model*.bin files)")
     for file in weights:
         check_safetensors(file)
+
+
+def check_config(folder: Path, what: str = "model.name_or_path") -> None:
+    """A local folder's config.json is one transformers builds its config from (the tokenizer reads it too, so an
+    unreadable config is named as such, not as a tokenizer that failed to load)."""
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(str(folder))
+    except model_read_errors() as exc:
+        raise UserError(f"{what}: cannot read {folder / 'config.json'}: {first_line(exc)}") from None
 
 
 def _check_not_empty(folder: Path, what: str) -> None:
@@ -118,7 +120,9 @@ def load_tokenizer(cfg: ModelConfig, padding_side: str = "right") -> Any:
     check_model_exists(path, weights=False)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
-    except LOAD_ERRORS as exc:  # e.g. no tokenizer files: "Couldn't instantiate the backend tokenizer"
+    except model_read_errors() as exc:  # e.g. no tokenizer files: "Couldn't instantiate the backend tokenizer"
+        if (Path(path).expanduser() / "config.json").is_file():
+            check_config(Path(path).expanduser())  # the config, not the tokenizer files, may be what failed
         raise UserError(
             f"cannot load a tokenizer from '{path}': {first_line(exc)} "
             "(offline: the model must be a local directory or already in the Hugging Face cache)"
@@ -182,7 +186,7 @@ def load_model(
     }
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **options)
-    except LOAD_ERRORS as exc:
+    except model_read_errors() as exc:
         raise UserError(f"cannot load model '{path}': {first_line(exc)}") from None
     for adapter in cfg.adapter_paths:
         model = merge_adapter(model, adapter)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlfactory.errors import UserError
+from rlfactory.errors import UserError, model_read_errors
 from rlfactory.use.source import ModelSource, PathCheck, load_source, resolve_source
 
 # what a folder may hold for --overwrite to replace it: an earlier export or another model folder, never anything else
@@ -158,7 +158,7 @@ def checkpoint_dtype(base: str) -> str:
 
     try:
         config = AutoConfig.from_pretrained(base)
-    except (OSError, ValueError):
+    except model_read_errors():
         return "auto"
     dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "").removeprefix("torch.")
     return dtype if dtype in DTYPES else "auto"
