@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from rlfactory.config.schema import RunConfig
-from rlfactory.errors import UserError
+from rlfactory.errors import UserError, first_line, model_read_errors
 from rlfactory.model.loader import (
     apply_freeze,
     check_model_exists,
@@ -47,8 +47,8 @@ def load_reward_model_for_training(cfg: RunConfig, pad_token_id: int) -> Any:
             attn_implementation=attention_implementation(resolved_attention(cfg.model)),
             trust_remote_code=cfg.model.trust_remote_code,
         )
-    except (OSError, ValueError) as exc:
-        raise UserError(f"cannot load '{path}' as a reward model: {str(exc).splitlines()[0]}") from None
+    except model_read_errors() as exc:
+        raise UserError(f"cannot load '{path}' as a reward model: {first_line(exc)}") from None
     model.config.pad_token_id = pad_token_id  # pooling finds the last non-pad token with it
     for adapter in cfg.model.adapter_paths:
         model = merge_adapter(model, adapter)
@@ -93,8 +93,8 @@ def load_reward_model(path: str | Path, device: str | torch.device | None = None
     try:
         model = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=resolve_dtype(dtype))
         tokenizer = AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError) as exc:
-        raise UserError(f"cannot load reward model '{path}': {str(exc).splitlines()[0]}") from None
+    except model_read_errors() as exc:
+        raise UserError(f"cannot load reward model '{path}': {first_line(exc)}") from None
     if model.config.num_labels != 1:
         raise UserError(f"'{path}' is not a reward model: it has {model.config.num_labels} outputs, not 1")
     if tokenizer.pad_token is None:
