@@ -354,3 +354,40 @@ def test_the_online_head_is_planned_as_it_runs():
     # the compute dtype (2 or 4 bytes)
     ratio = head_full.bytes / head_chunked.bytes
     assert any(ratio == pytest.approx(shape.vocab * 4 / (shape.hidden * size)) for size in (2, 4)), ratio
+
+
+QWEN_SHAPES = {  # Qwen2.5's configs (random weights in the GPU benchmarks): what plan reads of them
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+               intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
+}  # fmt: skip
+
+
+def _qwen_folder(tmp_path, size: str):
+    config = json.loads((TINY_MODEL / "config.json").read_text())
+    shape = QWEN_SHAPES[size]
+    config.update(shape, head_dim=shape["hidden_size"] // shape["num_attention_heads"], dtype="bfloat16")
+    config.pop("layer_types")  # transformers derives one per layer
+    folder = tmp_path / size
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize(("size", "measured"), [("0.5b", (2.128, 2.846)), ("7b", (5.264,))])
+def test_rollout_estimate_brackets_the_measured_generation(tmp_path, size, measured):
+    """GRPO's generation phase as rollout_bench measured it on H200s (docs/BENCHMARKS.md, thirty-first session: 8
+    prompts x 8 samples, responses drawn from 32..1024 tokens, so the batch waits for a 1,024-token one). The 0.5B
+    model's decode is the engine's host work (2.1-2.8 ms a step; the weights' reads alone would say 0.55-1.3 s), the
+    7B model's its bandwidth; the estimate is rough, so at 7B its low end may sit up to 10% above the measurement
+    (it counts every sample's KV cache for every step, while short samples finish early)."""
+    overrides = [f"model.name_or_path={_qwen_folder(tmp_path, size)}", "rollout.prompts_per_step=8"]
+    overrides += ["rollout.num_samples=8", "rollout.max_prompt_len=256", "rollout.max_response_len=1024"]
+    config = str(ROOT / "examples/grpo/qwen2.5_0.5b_lora_vllm.yaml")
+    h200 = dict(gpus=1, gpu_memory_gb=141, gpu_name="NVIDIA H200")
+    (plan,) = plan_config(config, overrides, **h200)
+    low, high = plan.step_time["rollout_s"]
+    assert low <= 1.1 * min(measured) and max(measured) <= high, (low, high, measured)
+    (hf,) = plan_config(config, [*overrides, "rollout.backend=hf", "rollout.is_correction=none"], **h200)
+    assert hf.step_time["host_floor"] is False and plan.step_time["host_floor"] is True

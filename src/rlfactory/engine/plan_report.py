@@ -33,6 +33,10 @@ CARDS: dict[str, tuple[float, float]] = {
 }
 MFU = (0.20, 0.45)  # the range of model FLOP utilisation the step time assumes (measured 15-54%: BENCHMARKS)
 DECODE_EFFICIENCY = (0.3, 0.7)  # share of the memory bandwidth a decode step reaches (vLLM); hf: the low end / 3
+# vLLM's host time per decode step (scheduling, inputs, sampling, outputs), the floor of a step whatever the model's
+# size: a 0.5B model's 1,024 decode steps took 2.1-2.8 ms each on H200 machines, where the weights' reads take 0.6
+# (docs/BENCHMARKS.md, thirty-first session); a 7B model's 4.9-5.1 ms are its bandwidth's
+DECODE_HOST_S = (2.0e-3, 2.9e-3)
 
 
 def card(gpu: Gpu) -> tuple[float, float] | None:
@@ -73,6 +77,7 @@ def step_time(cfg: RunConfig, plan: Plan) -> dict[str, Any]:
     return {
         "train_s": train,
         "rollout_s": generate,
+        "host_floor": cfg.rollout.backend == "vllm",
         "step_s": [train[0] + generate[0], train[1] + generate[1]],
         "tokens_per_gpu": tokens,
         "peak_tflops": peak / 1e12,
@@ -81,8 +86,10 @@ def step_time(cfg: RunConfig, plan: Plan) -> dict[str, Any]:
 
 
 def rollout_seconds(cfg: RunConfig, plan: Plan, bandwidth: float, sequences: float) -> list[float]:
-    """Decode is memory-bound: each of max_response_len steps reads the weights (bf16) and the batch's KV cache,
-    at 30-70% of the card's bandwidth for vLLM, three times slower for hf's generate (per-token Python overhead)."""
+    """Decode is memory-bound: each of max_response_len steps (the longest response's, which the batch waits for)
+    reads the weights (bf16) and the batch's KV cache, at 30-70% of the card's bandwidth for vLLM, three times
+    slower for hf's generate (per-token Python overhead); and a vLLM step takes at least the engine's host time
+    (``DECODE_HOST_S``), which is what bounds a small model's decode."""
     assert cfg.rollout is not None
     shape, rollout = plan.shape, cfg.rollout
     batch = sequences if rollout.backend == "vllm" else min(sequences, rollout.generation_batch_size)
@@ -91,7 +98,11 @@ def rollout_seconds(cfg: RunConfig, plan: Plan, bandwidth: float, sequences: flo
     mean_len = rollout.max_prompt_len + rollout.max_response_len / 2
     per_step = shape.params * 2 + batch * mean_len * kv_per_token
     slow = 3.0 if rollout.backend == "hf" else 1.0
-    return [rounds * rollout.max_response_len * per_step * slow / (bandwidth * e) for e in reversed(DECODE_EFFICIENCY)]
+    host = DECODE_HOST_S if rollout.backend == "vllm" else (0.0, 0.0)
+    return [
+        rounds * rollout.max_response_len * max(per_step * slow / (bandwidth * e), floor)
+        for e, floor in zip(reversed(DECODE_EFFICIENCY), host, strict=True)
+    ]
 
 
 # --------------------------------------------------------------------------- what would make it fit
@@ -329,9 +340,11 @@ def _time_lines(plan: Plan) -> list[str]:
     head = f"step time, a rough estimate (FLOPs / ({time['peak_tflops']:.0f} TFLOP/s x {MFU[0]:.0%}-{MFU[1]:.0%} MFU)"
     if "rollout_s" not in time:
         return [f"{head}): {_range(time['train_s'])} per optimizer step"]
+    low, high = (seconds * 1e3 for seconds in DECODE_HOST_S)
+    floor = f", at least {low:.1f}-{high:.1f} ms a step" if time["host_floor"] else ""
     return [
-        f"{head}; decode at {DECODE_EFFICIENCY[0]:.0%}-{DECODE_EFFICIENCY[1]:.0%} of the memory bandwidth): update "
-        f"{_range(time['train_s'])}, rollout {_range(time['rollout_s'])}, {_range(time['step_s'])} per RL step"
+        f"{head}; decode at {DECODE_EFFICIENCY[0]:.0%}-{DECODE_EFFICIENCY[1]:.0%} of the memory bandwidth{floor}): "
+        f"update {_range(time['train_s'])}, rollout {_range(time['rollout_s'])}, {_range(time['step_s'])} per RL step"
     ]
 
 
