@@ -58,6 +58,36 @@ def test_documents_with_more_keys_than_queries_are_causal_at_the_bottom_right(he
     _assert_kernel_matches_reference(q, k, v, cu_q, cu_k, max(q_lengths), max(k_lengths))
 
 
+def test_float32_queries_under_autocast_run_the_flash_kernel_in_its_dtype():
+    """Full fine-tuning keeps float32 weights under bf16 autocast, and the rotary embedding lifts q and k to float32:
+    the packed call still runs the flash kernel (in bfloat16, as sdpa would under autocast), not the per-document
+    path with its host sync and graph break per layer; the numbers are the float32 reference's within bfloat16
+    rounding, gradients reach the float32 inputs. Without autocast a float32 call keeps the float32 path."""
+    attention.register()
+    lengths = [1, 37, 300, 5]
+    q, k, v, cu = (t.float() if t.is_floating_point() else t for t in _documents(lengths, 8, 2))
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    as_model = [t.transpose(0, 1).unsqueeze(0) for t in inputs]  # (1, H, T, D), transformers' layout
+    ran = []
+    inner = attention._flash_varlen
+    attention._flash_varlen = lambda *a, **kw: ran.append(a[0].dtype) or inner(*a, **kw)
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out, _ = attention.varlen_attention(None, *as_model, None, scaling=128**-0.5, cu_seq_lens_q=cu,
+                                                max_length_q=max(lengths))  # fmt: skip
+        plain, _ = attention.varlen_attention(None, *as_model, None, scaling=128**-0.5, cu_seq_lens_q=cu,
+                                              max_length_q=max(lengths))  # fmt: skip
+    finally:
+        attention._flash_varlen = inner
+    assert ran == [torch.bfloat16]  # autocast's call only
+    assert out.dtype == torch.bfloat16 and plain.dtype == torch.float32
+    ref = attention._per_document(*(t.detach() for t in (q, k, v)), cu, cu, 128**-0.5).unsqueeze(0)
+    assert (plain - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert (out.float() - ref).abs().max() <= 4 * EPS_BF16 * ref.abs().max()
+    out.float().sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.float32 for t in inputs)
+
+
 def _three_models():
     """A two-layer Qwen2 shape with one set of weights: float32 sdpa (the reference), bfloat16 sdpa, and bfloat16
     sdpa_varlen with its layers compiled as train.torch_compile compiles them."""

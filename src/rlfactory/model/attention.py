@@ -12,7 +12,8 @@ torch alone.
 Registered with transformers' ``AttentionInterface`` (its documented way to add a kernel) under ``sdpa_varlen``,
 with sdpa's mask function: a call that carries ``cu_seq_lens_q`` (``packed_rows.PackedRows.inputs`` passes them, the
 names transformers' flash-attention path reads) runs varlen and ignores the mask; every other call (padded rows,
-generation with a cache, sliding windows, dropout, a full-precision model) is transformers' sdpa, unchanged.
+generation with a cache, sliding windows, dropout) is transformers' sdpa, unchanged. A float32 query runs the flash
+kernel in autocast's dtype under CUDA autocast (``flash_dtype``), else the per-document path below.
 On CPU (no flash kernel) the varlen call runs sdpa's causal kernel once per document: the same numbers, used by the
 CPU tests and by CPU runs.
 
@@ -165,11 +166,30 @@ def varlen_attention(
     if kv_index is not None:  # shared prompts: each document's keys gathered from the row (see the module's doc)
         k, v = k.index_select(0, kv_index), v.index_select(0, kv_index)
         cu_k, max_k = kwargs["cu_seq_lens_k"], kwargs["max_length_k"]
-    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
+    flash = flash_dtype(query)
+    if flash is not None:
+        q, k, v = q.to(flash), k.to(flash), v.to(flash)
         out = _flash_varlen(q, k, v, cu_seqlens, cu_k, max_q, max_k, scale)
     else:
         out = _per_document(q, k, v, cu_seqlens, cu_k, scale)
     return out.unsqueeze(0), None
+
+
+def flash_dtype(query: torch.Tensor) -> torch.dtype | None:
+    """The dtype the flash kernel runs this call in; None: no flash kernel (per-document sdpa).
+
+    A float32 query under CUDA autocast runs in autocast's dtype, as sdpa would: full fine-tuning keeps float32
+    weights and trains under bf16 autocast, where the rotary embedding (float32 cos/sin) lifts q and k back to
+    float32, and autocast does not cast a custom op's inputs (``varlen_attn``). Without this, every packed
+    full-fine-tuning step on a GPU took the per-document path: a host sync and a graph break per layer
+    (tests/gpu/test_gpu_host_syncs.py). A float32 model without autocast keeps float32 attention."""
+    if not query.is_cuda:
+        return None
+    if query.dtype in (torch.bfloat16, torch.float16):
+        return query.dtype
+    if query.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return None
 
 
 def _flash_varlen(
