@@ -46,18 +46,31 @@ CASES["gae_seq_sum_norm_packed"] = {**CASES["gae_seq_sum_norm"], "rollout": {"pa
 # a token budget per micro-batch (``rollout.micro_batch_tokens``, 5..17 tokens a sample): the ranks cut their shares
 # into different numbers of micro-batches, and DDP still synchronises once per mini-batch
 CASES["grpo_token_budget_packed"] = {**CASES["grpo_token_mean"], "rollout": {"packing": "on", "micro_batch_tokens": 12}}
+# no KL or entropy term, three of the four groups with one reward each: their rows run forward only
+# (``algorithm.skip_zero_advantage_backward``); one rank holds two such groups, so all its rows have zero advantage and
+# it still runs one (zero) backward for DDP's reduction
+CASES["grpo_zero_advantage_packed"] = {
+    "adv_estimator": "grpo",
+    "loss_agg": "token-mean",
+    "ppo_epochs": 2,
+    "scores": [1.0, 0.0, 0.5, 0.5, 0.3, 0.3, 0.2, 0.2],
+    "rollout": {"packing": "on", "micro_batch_tokens": 12},
+}
 MAX_LEN = 12
 
 
-def samples() -> list:
-    """8 scored samples in 4 groups of 2 (one group with equal scores), as the gathered sample list of a step."""
+SCORES = [1.0, 0.0, 0.5, 0.5, 1.0, -1.0, 0.2, 0.9]
+
+
+def samples(scores: list[float] = SCORES) -> list:
+    """8 scored samples in 4 groups of 2 (by default one group with equal scores), as the gathered sample list of a
+    step."""
     from rlfactory.engine.online.phases import Rollout
     from rlfactory.rollout.base import Completion
 
     gen = torch.Generator().manual_seed(0)
     ids = lambda n: torch.randint(3, 1000, (n,), generator=gen).tolist()
     lengths = [(5, 4), (5, MAX_LEN), (2, 3), (2, 7), (9, 1), (9, 5), (3, 6), (3, 2)]
-    scores = [1.0, 0.0, 0.5, 0.5, 1.0, -1.0, 0.2, 0.9]
     out = []
     for i, ((n_prompt, n_response), score) in enumerate(zip(lengths, scores, strict=True)):
         prompt = ids(n_prompt) if i % 2 == 0 else out[-1].prompt_ids  # a group shares its prompt
@@ -104,6 +117,7 @@ def run_case(name: str, algorithm: dict, out: Path) -> None:
     from rlfactory.model.value_head import load_value_model
 
     algorithm = dict(algorithm)
+    scores = algorithm.pop("scores", SCORES)
     # padded unless the case packs (auto would pack transformers' own models)
     rollout = {"prompts_per_step": 4, "num_samples": 2, "max_response_len": MAX_LEN, "mask_truncated": True}
     rollout["packing"] = "off"
@@ -139,7 +153,7 @@ def run_case(name: str, algorithm: dict, out: Path) -> None:
     for part, updater in (("policy", run.actor), ("critic", run.critic)):
         if updater is not None:
             record_gradients(run.accelerator, updater, part, grads)
-    batch = to_batch(run, samples())
+    batch = to_batch(run, samples(scores))
     metrics, advantages = score_batch(run, batch)
     update_metrics, _ = update_models(run, batch, 0)
     metrics.update(update_metrics)

@@ -60,9 +60,11 @@ def test_an_update_on_fixed_rollouts_is_the_same_on_one_and_two_processes(tmp_pa
     """tests/distributed_rl_update.py runs the real phases (to_batch, score_batch, update_models) on 8 fixed samples
     with grpo + token-mean + KL loss, reinforce_plus_plus (batch whitening) + seq-mean-token-mean, and gae (a
     critic, batch whitening, the adaptive in-reward KL) + seq-mean-token-sum-norm, that again with packed
-    micro-batches (``rollout.packing: on``), and grpo with packed micro-batches cut by a token budget
-    (``rollout.micro_batch_tokens``: the ranks run different numbers of micro-batches), 2 optimizer steps each; on
-    two processes each rank trains 4 of the 8 rows.
+    micro-batches (``rollout.packing: on``), grpo with packed micro-batches cut by a token budget
+    (``rollout.micro_batch_tokens``: the ranks run different numbers of micro-batches), and that without a KL or
+    entropy term with three groups of one reward each (their rows run forward only, and one rank has no row with a
+    gradient: it still runs a zero backward for DDP), 2 optimizer steps each; on two processes each rank trains 4 of
+    the 8 rows.
 
     Tolerances: the first step's gradient (after DDP's sync, unclipped; the parameters are still the initial ones)
     differs only by float32 rounding of sums taken in another order over differently trimmed micro-batches: within
@@ -88,6 +90,7 @@ def test_an_update_on_fixed_rollouts_is_the_same_on_one_and_two_processes(tmp_pa
         "gae_seq_sum_norm",
         "gae_seq_sum_norm_packed",
         "grpo_token_budget_packed",
+        "grpo_zero_advantage_packed",
     ):
         a, b = (torch.load(tmp_path / run / f"{case}.pt") for run in ("one", "two"))
         assert a["grads"].keys() == b["grads"].keys()
@@ -104,6 +107,11 @@ def test_an_update_on_fixed_rollouts_is_the_same_on_one_and_two_processes(tmp_pa
         assert rank0 == rank1  # reduced over the ranks: the same numbers on both
         assert (one_metrics["rows"], rank0["rows"]) == (8, 4)
         assert one_metrics["packed"] == rank0["packed"] == float(case.endswith("_packed"))
+        if case == "grpo_zero_advantage_packed":  # 6 rows without advantage and the truncated one (no loss tokens)
+            alone, shared = one_metrics.pop("actor/rows_forward_only"), rank0.pop("actor/rows_forward_only")
+            assert alone == 7 / 8 and 0 < shared < alone, (alone, shared)  # the rank without a gradient runs one
+        elif case.startswith("grpo"):
+            assert "actor/rows_forward_only" not in one_metrics  # a KL or entropy term: every row's backward runs
         for key, value in one_metrics.items():
             if not key.startswith("timing_s") and key != "rows":
                 assert rank0[key] == pytest.approx(value, rel=2e-4, abs=1e-6), (case, key)

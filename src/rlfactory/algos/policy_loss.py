@@ -10,6 +10,10 @@ clip range 1 - clip_low .. 1 + clip_high; DAPO clip-higher uses e.g. clip_high=0
 (dual-clip constant, None = off). The loss is *not* reduced here: aggregate it with an entry of
 ``rlfactory.algos.aggregation.LOSS_AGG``. Per-token losses are 0 at masked positions, and masked
 positions receive no gradient. Metrics are detached scalars (masked means over response tokens).
+
+Trait ``zero_at_zero_advantage``: a row whose advantages are all zero has a per-token loss of exactly zero and no
+gradient, so the update may skip its backward (``engine.online.update.rows_with_gradient``). A loss without the trait
+(a plugin's, say) always runs every row's backward.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ def _zero_masked(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, per_token, torch.zeros_like(per_token))
 
 
-@POLICY_LOSSES.register("ppo_clip")
+@POLICY_LOSSES.register("ppo_clip", zero_at_zero_advantage=True)
 def ppo_clip(log_prob, old_log_prob, advantages, response_mask, *, config=None):
     """PPO clipped surrogate with asymmetric (clip-higher) and dual clipping, per token.
 
@@ -80,7 +84,7 @@ def ppo_clip(log_prob, old_log_prob, advantages, response_mask, *, config=None):
     return _zero_masked(loss, mask), metrics
 
 
-@POLICY_LOSSES.register("gspo")
+@POLICY_LOSSES.register("gspo", zero_at_zero_advantage=True)
 def gspo(log_prob, old_log_prob, advantages, response_mask, *, config=None):
     """GSPO: clipped surrogate on the *sequence-level* importance ratio (token-level stop-gradient form).
 
@@ -112,7 +116,7 @@ def gspo(log_prob, old_log_prob, advantages, response_mask, *, config=None):
     return _zero_masked(loss, mask), metrics
 
 
-@POLICY_LOSSES.register("cispo")
+@POLICY_LOSSES.register("cispo", zero_at_zero_advantage=True)
 def cispo(log_prob, old_log_prob, advantages, response_mask, *, config=None):
     """CISPO: REINFORCE with a clipped, detached importance weight, so no token's gradient is dropped.
 

@@ -323,6 +323,13 @@ class AlgorithmConfig(Section):
     value_clip: float | None = Field(
         0.2, gt=0.0, description="ppo: clip range of the value loss around the old values (null: plain MSE)."
     )
+    skip_zero_advantage_backward: bool = Field(
+        True,
+        description="The actor's rows whose every advantage is exactly zero (GRPO: a group whose samples all got one "
+        "reward) run their forward only, no backward: with no KL or entropy term (kl_loss_coef 0, entropy_coef 0) "
+        "and a policy loss that vanishes at zero advantage (ppo_clip, gspo, cispo) their gradient is exactly zero, "
+        "so the update is the same; metrics still cover every row. Logged as actor/rows_forward_only (share).",
+    )
 
 
 class CriticConfig(Section):

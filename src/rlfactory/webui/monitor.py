@@ -44,7 +44,7 @@ CHARTS: tuple[Chart, ...] = (
     Chart("clip fraction", ("actor/pg_clipfrac",)),
     # the rate metrics the health rules read (engine/health.py RATE_RULES)
     Chart("responses cut at the cap", ("response_length/clip_ratio",)),
-    Chart("zero-advantage groups", ("rollout/zero_adv_groups",)),
+    Chart("zero-advantage groups", ("rollout/zero_adv_groups", "actor/rows_forward_only")),  # the update skips them
     Chart("sampler mismatch (tokens over the IS cap)", ("rollout/ratio_over_cap",)),
     Chart("phase timings (s)", ("timing_s/*",)),
 )

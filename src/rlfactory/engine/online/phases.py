@@ -412,7 +412,8 @@ def update_models(run: Run, batch: RolloutBatch, step: int) -> tuple[dict[str, f
                 ro.is_threshold,
                 run.kernels,
             )
-            result = run.actor.run(batch, alg, micro, batch.loss_mask, loss_fn, "actor", step + 1)
+            needs_grad = ops.rows_with_gradient(alg, batch, batch.loss_mask)
+            result = run.actor.run(batch, alg, micro, batch.loss_mask, loss_fn, "actor", step + 1, needs_grad)
         metrics.update(result.metrics)
         trainer_logprobs = result.logprobs
     # an overlapped engine is generating the next step right now: it is synced before its next round (prefetch_next)

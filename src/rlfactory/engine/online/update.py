@@ -190,6 +190,46 @@ def _grouped(order: torch.Tensor, prompt_of: list[int], mini_batches: int) -> to
     return torch.cat([c[torch.tensor(sorted(range(len(c)), key=lambda i: prompt_of[int(c[i])]))] for c in chunks])
 
 
+def _gradient_first(order: torch.Tensor, grad_rows: torch.Tensor, mini_batches: int) -> torch.Tensor:
+    """``order`` with each mini-batch's rows that need a gradient first, the rest after (stable within each)."""
+    chunks = torch.tensor_split(order, mini_batches)
+    return torch.cat([torch.cat([c[grad_rows[c]], c[~grad_rows[c]]]) for c in chunks])
+
+
+def _spans(
+    micro: MicroBatching, lengths: list[int], grad_rows: torch.Tensor | None, order: list[int]
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """A mini-batch's micro-batches (rows ordered by ``_gradient_first``): (forward-only spans, spans with a
+    gradient). At least one span has a gradient: with none, the last forward-only one gets it (its gradient is
+    zero), so every rank runs a backward and the optimizer steps with zero gradients as it would without the skip."""
+    if grad_rows is None:
+        return [], micro.spans(lengths)
+    n_grad = int(grad_rows[order].sum()) if order else 0
+    with_grad = micro.spans(lengths[:n_grad])
+    forward_only = [(start + n_grad, end + n_grad) for start, end in micro.spans(lengths[n_grad:])]
+    if not with_grad:
+        with_grad = [forward_only.pop()]
+    return forward_only, with_grad
+
+
+def rows_with_gradient(alg: AlgorithmConfig, batch: Batch, mask: torch.Tensor) -> torch.Tensor | None:
+    """(B,) bool: the actor's rows whose loss can have a gradient, or None (every row; the skip does not apply).
+
+    A row whose every advantage is exactly zero adds exactly zero to the policy-gradient term of a loss that
+    vanishes at zero advantage (the ``zero_at_zero_advantage`` trait: ppo_clip, gspo, cispo), so with no KL or
+    entropy term its backward can be skipped and the update is the same up to the order of the sums. In GRPO these
+    are the groups whose samples all got one reward (``rollout/zero_adv_groups``), often a third or more of a batch
+    late in training. Its forward still runs: the metrics (entropy, clip fractions) and the trainer's log-probs
+    cover every row as before (``algorithm.skip_zero_advantage_backward``)."""
+    from rlfactory.algos.policy_loss import POLICY_LOSSES
+
+    if not alg.skip_zero_advantage_backward or alg.kl_loss_coef > 0 or alg.entropy_coef > 0:
+        return None
+    if batch.advantages is None or not POLICY_LOSSES.traits(alg.policy_loss).get("zero_at_zero_advantage"):
+        return None
+    return ((batch.advantages != 0) & mask.bool()).any(-1)
+
+
 @torch.no_grad()
 def full_pass(
     fn: Callable[..., torch.Tensor], batch: Batch, micro: MicroBatching, packing: PackLayout = None
@@ -305,7 +345,7 @@ class UpdateResult:
     logprobs: torch.Tensor | None = None  # (B, R) trainer log-probs of each row as first seen (NaN: never seen)
 
 
-LossFn = Callable[..., LossPart]  # (rows, pos, mini, width, packed)
+LossFn = Callable[..., LossPart]  # (rows, pos, mini, width, packed[, model=]: another module to run, e.g. past DDP)
 
 
 class Updater:
@@ -353,7 +393,12 @@ class Updater:
         loss_fn: LossFn,
         prefix: str,
         step: int = 0,
+        needs_grad: torch.Tensor | None = None,
     ) -> UpdateResult:
+        """``needs_grad`` (B,) bool: the rows whose loss can have a gradient (``rows_with_gradient``); the others
+        run their forward without one (metrics, the trainer's log-probs), before the mini-batch's micro-batches
+        with a gradient, at least one of which runs on every rank (DDP's reduction needs a backward from each).
+        None: every row's backward runs."""
         # metrics stay device tensors until the end of the step: a float() per micro-batch is a GPU sync that
         # stops the CPU from queueing the next micro-batch's kernels
         sums: dict[str, list[Any]] = defaultdict(list)
@@ -364,11 +409,18 @@ class Updater:
         # known without asking the GPU, so the CPU queues micro-batches back to back (one sync per call)
         host = _host_rows(batch, self.packing, micro)
         response, tokens = host.response, host.tokens
-        has_tokens = (mask.sum(-1) > 0).cpu()
+        bare = self.accelerator.unwrap_model(self.model) if needs_grad is not None else None
+        has_tokens = mask.sum(-1) > 0
+        if needs_grad is None:
+            has_tokens, grad_rows = has_tokens.cpu(), None
+        else:  # one read of both
+            has_tokens, grad_rows = torch.stack([has_tokens, needs_grad & has_tokens]).cpu()
         for _ in range(alg.ppo_epochs):
             order = torch.randperm(len(response))
             if host.prompt_of is not None:  # a mini-batch's samples of one prompt side by side: they share it
                 order = _grouped(order, host.prompt_of, alg.num_mini_batches)
+            if grad_rows is not None:  # each mini-batch's rows with a gradient first (the same rows per mini-batch)
+                order = _gradient_first(order, grad_rows, alg.num_mini_batches)
             order_on_device = (order.pin_memory() if device.type == "cuda" else order).to(device, non_blocking=True)
             minis = list(
                 zip(
@@ -387,19 +439,27 @@ class Updater:
                 mini: dict[str, Any] = defaultdict(float)
                 mini_loss = torch.zeros((), device=device)
                 order_host = mini_host.tolist()
-                spans = micro.spans([tokens[i] for i in order_host])
-                for start, end in spans:
+                forward_only, spans = _spans(micro, [tokens[i] for i in order_host], grad_rows, order_host)
+                if grad_rows is not None:  # every rank logs it (the metrics' reduction needs the same keys)
+                    mini["rows_forward_only"] = sum(e - s for s, e in forward_only) / (len(order_host) * world)
+                for start, end in forward_only + spans:
                     pos = torch.arange(start, end, device=device)
                     host_rows = order_host[start:end]
                     width = max(response[i] for i in host_rows)
                     packed = host.packed(batch, host_rows, self.packing)
                     rows = mini_rows[pos]
-                    last = (start, end) == spans[-1]
-                    with nullcontext() if last or world == 1 else self.accelerator.no_sync(self.model):
-                        with autocast_forward(self.accelerator, self.model):
-                            part = loss_fn(rows, pos, mini_batch, width, packed)
-                        # x world: DDP averages the ranks' gradients, the parts of a mini-batch aggregate add up
-                        backward(self.accelerator, self.model, part.loss if world == 1 else part.loss * world)
+                    if (start, end) in forward_only:  # a zero gradient: the loss's value and metrics only
+                        # past DDP, as the other passes without a gradient: its forward hooks are collectives
+                        # (buffers, bucket rebuilds) that other ranks would meet in another order
+                        with torch.no_grad(), autocast_forward(self.accelerator, self.model):
+                            part = loss_fn(rows, pos, mini_batch, width, packed, model=bare)
+                    else:
+                        last = (start, end) == spans[-1]
+                        with nullcontext() if last or world == 1 else self.accelerator.no_sync(self.model):
+                            with autocast_forward(self.accelerator, self.model):
+                                part = loss_fn(rows, pos, mini_batch, width, packed)
+                            # x world: DDP averages the ranks' gradients, the parts of a mini-batch aggregate add up
+                            backward(self.accelerator, self.model, part.loss if world == 1 else part.loss * world)
                     mini_loss += part.loss.detach().float()
                     if part.logprobs is not None:
                         if seen is None:
@@ -465,6 +525,7 @@ def actor_loss_fn(
     loss_cfg = {k: v for k, v in (("clip_low", alg.clip_low), ("clip_high", alg.clip_high)) if v is not None}
     loss_cfg["clip_c"] = alg.clip_c
     assert batch.advantages is not None
+    trained = model  # the module the update trains (DDP-wrapped on several processes); a call may pass another
 
     def loss_fn(
         rows: torch.Tensor,
@@ -472,9 +533,11 @@ def actor_loss_fn(
         mini: MiniBatch,
         width: int | None = None,
         packed: PackedRows | None = None,
+        model: Any = None,
     ) -> LossPart:
         entropy_mode = "loss" if alg.entropy_coef > 0 else "metric"
-        logprobs, entropy = policy_forward(model, batch, rows, temperature, entropy_mode, width, packed, kernels)
+        net = trained if model is None else model
+        logprobs, entropy = policy_forward(net, batch, rows, temperature, entropy_mode, width, packed, kernels)
         # one update per rollout batch: the old policy IS the current one, so no extra forward was spent
         old = batch.old_logprobs[rows] if batch.old_logprobs is not None else logprobs.detach()
         mask = batch.loss_mask[rows]
@@ -517,8 +580,9 @@ def critic_loss_fn(critic: Any, batch: Batch, alg: AlgorithmConfig, max_len: int
         mini: MiniBatch,
         width: int | None = None,
         packed: PackedRows | None = None,
+        model: Any = None,
     ) -> LossPart:
-        values = value_forward(critic, batch, rows, width, packed)
+        values = value_forward(critic if model is None else model, batch, rows, width, packed)
         mask = batch.response_mask[rows]
         per_token, metrics = value_loss(
             values, batch.values[rows], batch.returns[rows], mask, clip_range=alg.value_clip
