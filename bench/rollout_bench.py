@@ -339,7 +339,14 @@ def _grpo_cfg(args, model_dir: Path, out: Path, backend: str, sync: str, sleep: 
         "reward": {"functions": {"answer_match": 1.0}},
         # data parallel: one colocated engine per GPU, the same prompts per GPU (the step's prompts are split)
         **({"distributed": {"num_processes": args.gpus}} if args.gpus > 1 else {}),
-        "algorithm": {"adv_estimator": "grpo", "kl_loss_coef": 0.0, "loss_agg": "token-mean"},
+        # skip_zero_advantage_backward off: random weights never solve a problem, so every group has zero advantage
+        # and the skip would leave one micro-batch's backward per step; TRL runs every row's: like for like
+        "algorithm": {
+            "adv_estimator": "grpo",
+            "kl_loss_coef": 0.0,
+            "loss_agg": "token-mean",
+            "skip_zero_advantage_backward": False,
+        },
         "train": {
             "max_steps": args.steps,
             "per_device_batch_size": args.micro,
