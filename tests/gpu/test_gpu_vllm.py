@@ -140,9 +140,10 @@ def test_grpo_with_colocated_vllm_on_gpu(tmp_path: Path, mode: str, sleep: bool)
     steps = [r for r in read_log(cfg["output_dir"]) if "score/mean" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     for record in steps:
-        print(mode, {k: v for k, v in record.items() if k.startswith(("rollout/", "timing_s/"))})
+        print(mode, {k: v for k, v in record.items() if k.startswith(("rollout/", "timing_s/", "actor/rows"))})
         assert record["rollout/logprob_diff_mean"] < BF16_MEAN and record["rollout/prob_pearson"] > 0.99
         assert "timing_s/sync" in record and "actor/is_weight_mean" in record
+        assert 0.0 <= record["actor/rows_forward_only"] <= 1.0  # no KL term: zero-advantage rows run forward only
 
 
 def test_grpo_with_overlap_on_the_vllm_engine_on_gpu(tmp_path: Path):
