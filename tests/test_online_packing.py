@@ -516,6 +516,32 @@ def test_auto_attention_is_sdpa_varlen_where_the_kernel_runs_and_sdpa_elsewhere(
     assert not [p for p in environment_problems(default) if "attn_implementation" in p]
 
 
+def test_a_float32_query_under_cuda_autocast_takes_the_flash_kernel_in_autocasts_dtype():
+    """Full and freeze fine-tuning keep float32 weights under bf16 autocast, and the rotary embedding lifts q and k
+    to float32: such a call must still take the flash kernel (in bf16, as sdpa would under autocast), not the
+    per-document loop (a host sync and a graph break per layer; an H200 caught it). The decision alone, on the CPU:
+    CUDA's autocast flag is thread-local state that a CPU build can set; tests/gpu/test_gpu_varlen.py runs it."""
+    from types import SimpleNamespace
+
+    from rlfactory.model.attention import flash_dtype
+
+    def query(dtype, cuda=True):
+        return SimpleNamespace(is_cuda=cuda, dtype=dtype)
+
+    assert flash_dtype(query(torch.bfloat16)) == torch.bfloat16 and flash_dtype(query(torch.float16)) == torch.float16
+    assert flash_dtype(query(torch.float32)) is None  # a float32 model without autocast keeps float32 attention
+    assert flash_dtype(query(torch.bfloat16, cuda=False)) is None  # CPU: the per-document path
+    enabled, dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    try:
+        torch.set_autocast_enabled("cuda", True)
+        torch.set_autocast_dtype("cuda", torch.bfloat16)
+        assert flash_dtype(query(torch.float32)) == torch.bfloat16
+        assert flash_dtype(query(torch.float32, cuda=False)) is None
+    finally:
+        torch.set_autocast_enabled("cuda", enabled)
+        torch.set_autocast_dtype("cuda", dtype)
+
+
 def test_sdpa_varlen_on_a_torch_without_the_kernel_is_a_clear_environment_problem(tmp_path, monkeypatch):
     """On a CUDA machine whose torch has no usable varlen kernel (torch 2.9's took no ``scale``), ``train`` refuses
     the run before loading anything, naming the setting, the reason and the way out."""
